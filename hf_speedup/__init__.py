@@ -1,0 +1,17 @@
+"""hf_speedup: the right accelerations for Hugging Face fine-tuning, wired in and verified."""
+
+from .config import SpeedupConfig, SpeedupConfigError
+from .plan import build_plan
+from .presets import get_preset, list_presets, training_arguments
+from .trainer import SpeedupTrainer
+
+__all__ = [
+    "SpeedupTrainer",
+    "SpeedupConfig",
+    "SpeedupConfigError",
+    "get_preset",
+    "list_presets",
+    "training_arguments",
+    "build_plan",
+]
+__version__ = "0.1.0"

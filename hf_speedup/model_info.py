@@ -1,0 +1,94 @@
+"""A plain, frozen description of a model, so the plan can reason about it without touching it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .blocks import block_class_names, find_blocks
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    architecture: str = "unknown"
+    model_type: str = "unknown"
+    block_class: str | None = None
+    num_blocks: int = 0
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    vocab_size: int | None = None
+    total_parameters: int = 0
+    trainable_parameters: int = 0
+    embedding_parameters: int = 0
+    dtype: str = "float32"
+    is_peft: bool = False
+    quantization: str | None = None  # "4bit" | "8bit" | "gguf" | other quantizer name | None
+    linear_names: tuple[str, ...] = ()  # leaf names of nn.Linear modules inside blocks (LoRA targets)
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def quantization_of(model: nn.Module) -> str | None:
+    """How the weights are quantized, as the Trainer sees it (``hf_quantizer``/flags on the HF model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "is_loaded_in_4bit", False):
+        return "4bit"
+    if getattr(base, "is_loaded_in_8bit", False):
+        return "8bit"
+    q = getattr(base, "hf_quantizer", None)
+    if q is not None:
+        method = getattr(getattr(q, "quantization_config", None), "quant_method", None)
+        return str(getattr(method, "value", method) or type(q).__name__)
+    cfg = getattr(base, "config", None)
+    qc = getattr(cfg, "quantization_config", None) if cfg is not None else None
+    if qc:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        return str(getattr(method, "value", method) or "quantized")
+    return None
+
+
+def describe_model(model: nn.Module) -> ModelInfo:
+    cfg = getattr(model, "config", None)
+    text_cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    blocks = find_blocks(model)
+    names = block_class_names(model)
+    total = trainable = emb = 0
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel() * (2 if p.dtype == torch.uint8 else 1)  # bitsandbytes 4-bit packs two weights per byte
+        total += n
+        trainable += n if p.requires_grad else 0
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            emb += m.weight.numel()
+    linear_names: list[str] = []
+    for b in blocks[:1]:
+        for name, m in b.named_modules():
+            if isinstance(m, nn.Linear) or type(m).__name__ in ("Linear4bit", "Linear8bitLt"):
+                leaf = name.split(".")[-1]
+                if leaf and leaf not in linear_names and leaf not in ("base_layer",):
+                    linear_names.append(leaf)
+    dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()), "float32")
+    return ModelInfo(
+        architecture=type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__,
+        model_type=str(getattr(cfg, "model_type", "unknown")),
+        block_class=names[0] if names else None,
+        num_blocks=len(blocks),
+        hidden_size=getattr(text_cfg, "hidden_size", None),
+        num_layers=getattr(text_cfg, "num_hidden_layers", None),
+        vocab_size=getattr(text_cfg, "vocab_size", None),
+        total_parameters=total,
+        trainable_parameters=trainable,
+        embedding_parameters=emb,
+        dtype=dtype,
+        is_peft=hasattr(model, "peft_config"),
+        quantization=quantization_of(model),
+        linear_names=tuple(linear_names),
+    )

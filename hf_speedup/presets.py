@@ -1,0 +1,164 @@
+"""Named SpeedupConfigs, YAML load/save, and TrainingArguments presets for the stock Trainer."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import SpeedupConfig, SpeedupConfigError
+
+logger = logging.getLogger("hf_speedup")
+
+# name -> (one-line description with its trade-off, nested overrides of the SpeedupConfig defaults)
+_PRESETS: dict[str, tuple[str, dict]] = {
+    "baseline": (
+        "Nothing changed: exactly the stock Trainer with your TrainingArguments. The reference for parity and speed.",
+        {"precision": {"dtype": "keep", "tf32": "keep"}, "optimizer": {"name": "keep"}},
+    ),
+    "auto": (
+        "Safe wins for this machine: native bf16 where it is fast, TF32, fused AdamW, regional compile on GPUs, "
+        "padding to a multiple of 8. No change to the math beyond precision; costs nothing to turn on.",
+        {"compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8}},
+    ),
+    "fast": (
+        "Maximum steps/s: auto plus regional compile on every device (max-autotune GEMMs, final norm + lm_head "
+        "+ loss compiled too), static padded shapes. Trade-off: a cold compile at start (tens of seconds).",
+        {
+            "compile": {"enabled": True, "mode": "max-autotune", "dynamic": False, "regions": "blocks+head"},
+            "optimizer": {"name": "adamw_fused"},
+            "data": {"pad_to_multiple_of": 64},
+        },
+    ),
+    "memory": (
+        "Fit a bigger model or batch: activation checkpointing on every block, paged 8-bit AdamW (GPU), "
+        "expandable CUDA segments, periodic empty-cache. Trade-off: ~30% slower steps from recomputation.",
+        {
+            "checkpointing": {"enabled": True, "every_n_blocks": 1},
+            "optimizer": {"name": "paged_adamw_8bit"},
+            "memory": {"empty_cache_steps": 50, "expandable_segments": True},
+            "data": {"pad_to_multiple_of": 8},
+        },
+    ),
+    "lora": (
+        "Parameter-efficient fine-tuning: LoRA adapters (r=16) on every attention and MLP projection, base frozen. "
+        "Trade-off: adapters learn less than a full fine-tune on large domain shifts; optimizer state is tiny.",
+        {"lora": {"enabled": True}, "compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8}},
+    ),
+    "qlora": (
+        "LoRA on a 4-bit NF4 base (bitsandbytes, CUDA) with checkpointing and paged 8-bit AdamW: the least memory. "
+        "Trade-off: slower steps (dequantisation, recomputation); without CUDA it falls back to plain LoRA.",
+        {
+            "lora": {"enabled": True, "quantization": "4bit"},
+            "checkpointing": {"enabled": True},
+            "optimizer": {"name": "paged_adamw_8bit"},
+            "memory": {"expandable_segments": True},
+            "data": {"pad_to_multiple_of": 8},
+        },
+    ),
+}
+
+
+def register_preset(name: str, description: str, overrides: dict) -> None:
+    """Add a named preset (used by feature modules such as FSDP that ship their own)."""
+    _PRESETS[name] = (description, overrides)
+
+
+def list_presets() -> dict[str, str]:
+    """Preset name -> description."""
+    return {name: desc for name, (desc, _) in _PRESETS.items()}
+
+
+def get_preset(name: str) -> SpeedupConfig:
+    if name not in _PRESETS:
+        raise SpeedupConfigError([
+            f"speedup = {name!r} is not a known preset; allowed: {', '.join(_PRESETS)}, a SpeedupConfig or a path "
+            "to a .yaml file; fix: e.g. speedup='auto'"
+        ])
+    desc, overrides = _PRESETS[name]
+    return SpeedupConfig.from_dict({"name": name, "description": desc, **overrides})
+
+
+def load_config(path: str | Path) -> SpeedupConfig:
+    """Read a YAML config; ``base: PRESET`` starts from that preset and overrides its sections."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpeedupConfigError([f"speedup = {str(path)!r}: no such file; fix: give an existing .yaml path or a preset name ({', '.join(_PRESETS)})"])
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise SpeedupConfigError([f"{path}: the YAML is a {type(data).__name__}, not a mapping; fix: write sections such as 'compile:' at the top level"])
+    base = data.get("base")
+    merged = get_preset(base).to_dict() if base else {}
+    for key, value in data.items():
+        if key == "base":
+            continue
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    merged.setdefault("name", path.stem)
+    return SpeedupConfig.from_dict(merged)
+
+
+def resolve(speedup: Any) -> SpeedupConfig:
+    """Anything ``SpeedupTrainer(speedup=...)`` accepts -> a validated SpeedupConfig."""
+    if speedup is None:
+        speedup = "auto"
+    if isinstance(speedup, SpeedupConfig):
+        return speedup.validate()
+    if isinstance(speedup, dict):
+        return SpeedupConfig.from_dict(speedup)
+    if isinstance(speedup, Path) or (isinstance(speedup, str) and speedup.endswith((".yaml", ".yml"))):
+        return load_config(speedup)
+    if isinstance(speedup, str):
+        return get_preset(speedup)
+    raise SpeedupConfigError([
+        f"speedup = {speedup!r} has type {type(speedup).__name__}; allowed: a preset name ({', '.join(_PRESETS)}), "
+        "a SpeedupConfig, a dict or a .yaml path; fix: e.g. speedup='auto'"
+    ])
+
+
+def training_arguments(preset: Any = "auto", **kwargs):
+    """A stock ``TrainingArguments`` carrying what TrainingArguments can express of a preset on this machine.
+
+    Features it cannot express (regional compile, LoRA, selective checkpointing, ...) are logged, not
+    dropped silently; use SpeedupTrainer for those.
+    """
+    from transformers import TrainingArguments
+
+    from .compat import replace_args
+    from .features import FEATURES
+    from .plan import build_plan
+
+    kwargs.setdefault("output_dir", "trainer_output")
+    args = TrainingArguments(**kwargs)
+    plan = build_plan(preset, args=args)
+    overrides: dict = {}
+    for feature in FEATURES:
+        decision = plan[feature.NAME]
+        extra = {k: v for k, v in feature.training_args(decision, args).items() if k not in kwargs}
+        if decision.active and not extra and not _already_in(feature.training_args(decision, args), kwargs):
+            logger.warning("hf_speedup: %s=%r cannot be expressed in TrainingArguments; use SpeedupTrainer for it",
+                           feature.NAME, decision.applied)
+        overrides.update(extra)
+    return replace_args(args, overrides)
+
+
+def _already_in(wanted: dict, given: dict) -> bool:
+    return bool(wanted) and all(k in given for k in wanted)
+
+
+def write_preset_yamls(folder: str | Path) -> list[Path]:
+    """Write every preset as YAML (the files shipped in ``configs/presets/``)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name in _PRESETS:
+        p = folder / f"{name}.yaml"
+        cfg = get_preset(name)
+        header = f"# hf_speedup preset '{name}' (generated by `hf-speedup presets --write`)\n"
+        p.write_text(header + cfg.to_yaml())
+        out.append(p)
+    return out

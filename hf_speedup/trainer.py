@@ -1,0 +1,58 @@
+"""SpeedupTrainer: the stock Trainer, with the plan's accelerations applied before it is built."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from transformers import Trainer, TrainingArguments
+
+from .compat import replace_args
+from .features import FEATURES, Setup
+from .hardware import probe
+from .plan import build_plan, resolve_config
+from .report import Report
+
+logger = logging.getLogger("hf_speedup")
+
+
+class SpeedupTrainer(Trainer):
+    """``transformers.Trainer`` plus ``speedup=`` (a preset name, a SpeedupConfig, a dict or a YAML path).
+
+    The training loop is the stock one; accelerations are applied to the model, the collator and a
+    copy of the TrainingArguments before ``Trainer.__init__``, then verified on the real objects.
+    """
+
+    def __init__(self, *args: Any, speedup: Any = "auto", **kwargs: Any):
+        config = resolve_config(speedup)  # bad input fails here, before any model work
+        bound = inspect.signature(Trainer.__init__).bind_partial(None, *args, **kwargs).arguments
+        bound.pop("self", None)
+        model = bound.get("model")
+        training_args = bound.get("args") or TrainingArguments(output_dir="trainer_output")
+        self.speedup_plan = build_plan(config, probe(), model, training_args)
+        setup = Setup(model=model, args=training_args, data_collator=bound.get("data_collator"),
+                      processing_class=bound.get("processing_class"))
+        overrides: dict = {}
+        for feature in FEATURES:
+            overrides.update(feature.training_args(self.speedup_plan[feature.NAME], training_args))
+        for feature in FEATURES:
+            feature.apply(self.speedup_plan[feature.NAME], setup)
+        bound.update(model=setup.model, args=replace_args(training_args, overrides))
+        if setup.data_collator is not None:
+            bound["data_collator"] = setup.data_collator
+        super().__init__(**bound)
+        self.speedup_report = Report(self.speedup_plan)
+        from .callback import SpeedupCallback
+
+        self.add_callback(SpeedupCallback(self))
+        self.verify_speedup()
+
+    def verify_speedup(self) -> None:
+        """Re-check every feature on the live objects (model, optimizer, args)."""
+        for feature in FEATURES:
+            decision = self.speedup_plan[feature.NAME]
+            try:
+                decision.engaged, decision.engaged_reason = feature.verify(decision, self)
+            except Exception as exc:  # a verifier must never break training; say why instead
+                decision.engaged, decision.engaged_reason = False, f"verification failed: {exc!r}"
