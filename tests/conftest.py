@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny Llama-style models from a config, a local tokenizer, data made at run time."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from hf_speedup.tiny import char_tokenizer
+
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def dataset(tokenizer):
+    from hf_speedup.tiny import make_dataset
+
+    return make_dataset(tokenizer, n=256, seed=0, pack_to=64)
+
+
+@pytest.fixture
+def tiny_model():
+    """4 blocks, hidden 64: small enough that a training step takes milliseconds."""
+    from hf_speedup.tiny import tiny_llama
+
+    return tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture
+def collator(tokenizer):
+    from hf_speedup.tiny import causal_lm_collator
+
+    return causal_lm_collator(tokenizer)
+
+
+@pytest.fixture
+def make_args(tmp_path):
+    """TrainingArguments for a short CPU run; keyword arguments override."""
+    from transformers import TrainingArguments
+
+    def _make(**kw):
+        base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
+                    logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0,
+                    dataloader_num_workers=0, disable_tqdm=True)
+        base.update(kw)
+        return TrainingArguments(**base)
+
+    return _make
+
+
+def fake_caps(**kw):
+    """Capabilities of a machine we are not on (CUDA H100, CPU without bitsandbytes, multi-process...)."""
+    from hf_speedup.hardware import Capabilities
+
+    return Capabilities(**kw)
+
+
+CUDA_H100 = dict(device_type="cuda", device_name="NVIDIA H100 80GB HBM3", device_count=1, compute_capability=(9, 0),
+                 bf16=True, fp16=True, tf32=True, fused_adamw=True, bitsandbytes=True, compile=True,
+                 peak_flops={"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12})
+CUDA_V100 = dict(device_type="cuda", device_name="Tesla V100-SXM2-16GB", device_count=1, compute_capability=(7, 0),
+                 bf16=False, fp16=True, tf32=False, fused_adamw=True, bitsandbytes=True, compile=True)
+CPU_NO_BF16 = dict(device_type="cpu", device_name="AMD EPYC", bf16=False, bitsandbytes=False, compile=True,
+                   bitsandbytes_reason="bitsandbytes 8-bit optimizers and 4-bit quantization need a CUDA device; none here")
+CPU_AMX = dict(device_type="cpu", device_name="Intel Xeon (Sapphire Rapids)", bf16=True, bitsandbytes=False, compile=True)
