@@ -98,7 +98,7 @@ def load_config(path: str | Path) -> SpeedupConfig:
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value
-    merged.setdefault("name", path.stem)
+    merged["name"] = data.get("name", path.stem)
     return SpeedupConfig.from_dict(merged)
 
 

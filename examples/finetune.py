@@ -1,0 +1,103 @@
+"""Fine-tune a causal LM with an hf_speedup preset.
+
+Default (no --model): an embedded tiny Llama-style model built from a config, a character tokenizer
+built locally and a small arithmetic / string-reversal data set made at run time, so the loss
+visibly falls within a minute or two on 2 CPU cores, offline.
+
+    python examples/finetune.py                       # preset "auto"
+    python examples/finetune.py --speedup fast        # any preset name or a YAML path
+    python examples/finetune.py --model ./my-llama --speedup lora
+    python examples/finetune.py --model ./dir --gguf-file model.Q8_0.gguf --speedup lora
+    accelerate launch --config_file configs/accelerate/fsdp2_full_shard.yaml examples/finetune.py --speedup fsdp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--speedup", default="auto", help="preset name (hf-speedup presets) or a SpeedupConfig YAML")
+    p.add_argument("--model", help="hub id or local path; default: the embedded tiny Llama")
+    p.add_argument("--gguf-file", help="GGUF file name inside --model (a directory or hub repo)")
+    p.add_argument("--data-file", help="a text file, one training example per line; default: generated tasks")
+    p.add_argument("--output-dir", default="outputs/finetune")
+    p.add_argument("--max-steps", type=int, default=150)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=None, help="default 1e-3 (full fine-tune of the tiny model), 2e-4 (LoRA)")
+    p.add_argument("--examples", type=int, default=4000, help="generated examples (default data only)")
+    p.add_argument("--logging-steps", type=int, default=10)
+    p.add_argument("--report-to", default="none", help="none | wandb | tensorboard | all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu", action="store_true", help="force CPU even where CUDA is present")
+    return p.parse_args(argv)
+
+
+def build_model_and_tokenizer(ns):
+    if not ns.model:
+        from hf_speedup.tiny import char_tokenizer, tiny_llama
+
+        return tiny_llama(seed=ns.seed), char_tokenizer()
+    from transformers import AutoTokenizer
+
+    from hf_speedup.loading import load_model
+
+    tok_kwargs = {"gguf_file": ns.gguf_file} if ns.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(ns.model, **tok_kwargs)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model_kwargs = {"gguf_file": ns.gguf_file} if ns.gguf_file else {}
+    return load_model(ns.model, speedup=ns.speedup, **model_kwargs), tokenizer
+
+
+def build_dataset(ns, tokenizer):
+    from datasets import Dataset
+
+    from hf_speedup.tiny import make_dataset
+
+    if not ns.data_file:
+        return make_dataset(tokenizer, n=ns.examples, seed=ns.seed, pack_to=ns.seq_len)
+    with open(ns.data_file) as fh:
+        texts = [line.strip() for line in fh if line.strip()]
+    enc = tokenizer(texts, truncation=True, max_length=ns.seq_len)
+    return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+
+
+def main(argv=None) -> dict:
+    ns = parse_args(argv)
+    from transformers import TrainingArguments
+
+    from hf_speedup import SpeedupTrainer
+    from hf_speedup.presets import resolve
+    from hf_speedup.tiny import causal_lm_collator
+
+    config = resolve(ns.speedup)  # fail on a bad preset before loading anything
+    model, tokenizer = build_model_and_tokenizer(ns)
+    dataset = build_dataset(ns, tokenizer)
+    lr = ns.lr if ns.lr is not None else (2e-4 if (config.lora.enabled and ns.model) else 1e-3)
+    args = TrainingArguments(
+        output_dir=ns.output_dir, per_device_train_batch_size=ns.batch_size, max_steps=ns.max_steps,
+        learning_rate=lr, warmup_steps=min(10, ns.max_steps // 10), lr_scheduler_type="cosine",
+        logging_steps=ns.logging_steps, save_strategy="no", report_to=ns.report_to, seed=ns.seed,
+        use_cpu=ns.cpu, disable_tqdm=True,
+    )
+    trainer = SpeedupTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                             data_collator=causal_lm_collator(tokenizer), speedup=config)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    summary = {"preset": config.name, "first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None,
+               "report": os.path.join(ns.output_dir, "speedup_report.json")}
+    if trainer.is_world_process_zero():
+        print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

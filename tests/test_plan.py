@@ -1,0 +1,58 @@
+"""build_plan is pure, covers every feature and carries reasons; CLI `plan` prints it."""
+
+import json
+
+import torch
+
+from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
+from hf_speedup import build_plan, list_presets
+from hf_speedup.cli import main
+from hf_speedup.model_info import describe_model
+
+FEATURES = {"precision", "compile", "optimizer", "checkpointing", "empty_cache", "lora", "fsdp"}
+
+
+def test_every_preset_plans_every_feature_with_a_reason(tiny_model):
+    info = describe_model(tiny_model)
+    for caps in (fake_caps(**CUDA_H100), fake_caps(**CPU_NO_BF16)):
+        for name in list_presets():
+            plan = build_plan(name, caps, info)
+            d = plan.to_dict()
+            assert FEATURES <= set(d), name
+            for feature, entry in d.items():
+                assert set(entry) >= {"requested", "applied", "engaged", "reason"}, (name, feature)
+                assert entry["reason"] and "TODO" not in entry["reason"], (name, feature, entry)
+            json.dumps(d)
+
+
+def test_plan_does_not_touch_the_model(tiny_model):
+    before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    modules_before = [type(m) for m in tiny_model.modules()]
+    build_plan("fast", fake_caps(**CUDA_H100), tiny_model)
+    build_plan("qlora", fake_caps(**CUDA_H100), tiny_model)
+    assert [type(m) for m in tiny_model.modules()] == modules_before
+    assert all(torch.equal(before[k], v) for k, v in tiny_model.state_dict().items())
+    assert not hasattr(tiny_model, "peft_config")
+
+
+def test_cli_plan_prints_a_table_for_this_machine(capsys):
+    assert main(["plan", "--preset", "fast", "--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "preset 'fast'" in out
+    for feature in FEATURES:
+        assert feature in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_cli_plan_json_and_bad_preset(capsys):
+    assert main(["plan", "--preset", "memory", "--json"]) == 0
+    assert FEATURES <= set(json.loads(capsys.readouterr().out))
+    assert main(["plan", "--preset", "warp"]) == 2
+    assert "speedup = 'warp' is not a known preset" in capsys.readouterr().err
+
+
+def test_cli_presets_table(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    for name in ("baseline", "auto", "fast", "memory", "lora", "qlora"):
+        assert f"\n{name} " in out
