@@ -1,6 +1,7 @@
 """hf_speedup: the right accelerations for Hugging Face fine-tuning, wired in and verified."""
 
 from .config import SpeedupConfig, SpeedupConfigError
+from .features.memory import enable_expandable_segments, memory_env
 from .plan import build_plan
 from .presets import get_preset, list_presets, training_arguments
 from .trainer import SpeedupTrainer
@@ -13,5 +14,7 @@ __all__ = [
     "list_presets",
     "training_arguments",
     "build_plan",
+    "memory_env",
+    "enable_expandable_segments",
 ]
 __version__ = "0.1.0"

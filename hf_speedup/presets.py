@@ -58,6 +58,27 @@ _PRESETS: dict[str, tuple[str, dict]] = {
             "data": {"pad_to_multiple_of": 8},
         },
     ),
+    "fsdp": (
+        "Shard a full fine-tune across processes: FSDP2 full_shard, one unit per decoder block, mixed precision "
+        "matched to the device, sharded checkpoints (accelerate on GPUs; hf_speedup's own fully_shard on CPU). "
+        "Launch with torchrun/accelerate launch. Trade-off: all-gather/reduce-scatter traffic every step.",
+        {"fsdp": {"enabled": True}, "compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8}},
+    ),
+    "fsdp-offload": (
+        "fsdp plus parameters, gradients and optimizer state offloaded to CPU RAM and activation checkpointing: "
+        "the largest model that fits. Trade-off: much slower steps (host<->device copies, recomputation).",
+        {
+            "fsdp": {"enabled": True, "cpu_offload": True},
+            "checkpointing": {"enabled": True},
+            "data": {"pad_to_multiple_of": 8},
+        },
+    ),
+    "fsdp-lora": (
+        "LoRA adapters under FSDP2: the frozen base sharded across processes, adapters sharded with their "
+        "blocks, tiny optimizer state. Trade-off: as lora, plus FSDP communication.",
+        {"fsdp": {"enabled": True}, "lora": {"enabled": True}, "compile": {"enabled": "auto"},
+         "data": {"pad_to_multiple_of": 8}},
+    ),
 }
 
 
@@ -138,16 +159,16 @@ def training_arguments(preset: Any = "auto", **kwargs):
     overrides: dict = {}
     for feature in FEATURES:
         decision = plan[feature.NAME]
-        extra = {k: v for k, v in feature.training_args(decision, args).items() if k not in kwargs}
-        if decision.active and not extra and not _already_in(feature.training_args(decision, args), kwargs):
-            logger.warning("hf_speedup: %s=%r cannot be expressed in TrainingArguments; use SpeedupTrainer for it",
-                           feature.NAME, decision.applied)
-        overrides.update(extra)
+        wanted = feature.training_args(decision, args)
+        overrides.update({k: v for k, v in wanted.items() if k not in kwargs})  # the caller's values win
+        if feature.NAME in _MODEL_LEVEL and decision.active and not wanted:
+            logger.warning("hf_speedup: %s=%r changes the model itself and cannot be expressed in "
+                           "TrainingArguments; use SpeedupTrainer for it", feature.NAME, decision.applied)
     return replace_args(args, overrides)
 
 
-def _already_in(wanted: dict, given: dict) -> bool:
-    return bool(wanted) and all(k in given for k in wanted)
+# Features applied to the model (not expressible as TrainingArguments when their decision is active).
+_MODEL_LEVEL = {"compile", "lora", "checkpointing", "fsdp"}
 
 
 def write_preset_yamls(folder: str | Path) -> list[Path]:

@@ -69,3 +69,15 @@ def test_training_arguments_baseline_changes_nothing(tmp_path):
     kw = dict(output_dir=str(tmp_path), use_cpu=True, optim="adamw_torch", bf16=False)
     got, stock = training_arguments("baseline", **kw), TrainingArguments(**kw)
     assert got.to_dict() == stock.to_dict()
+
+
+def test_training_arguments_carries_what_args_can_express(tmp_path, caplog):
+    args = training_arguments("memory", output_dir=str(tmp_path), use_cpu=True)
+    assert args.optim != "paged_adamw_8bit"  # no CUDA here: the fallback, not the request
+    with caplog.at_level("WARNING", logger="hf_speedup"):
+        training_arguments("lora", output_dir=str(tmp_path), use_cpu=True)
+    assert "lora=" in caplog.text and "use SpeedupTrainer" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_speedup"):
+        training_arguments("baseline", output_dir=str(tmp_path), use_cpu=True)
+    assert "cannot be expressed" not in caplog.text

@@ -1,23 +1,196 @@
-"""TODO."""
+"""AdamW variant through ``TrainingArguments.optim``: the stock Trainer builds it, we choose and verify.
+
+Fallback chain: 8-bit / paged 8-bit AdamW (bitsandbytes, CUDA) -> fused AdamW (torch, CPU and CUDA)
+-> AdamW; with ``optimizer.strict`` a choice that cannot run here is a :class:`SpeedupConfigError`.
+``auto`` picks fused AdamW (same update as AdamW, one kernel for all parameters) unless the user's
+TrainingArguments ask for a non-AdamW optimizer (Adafactor, Lion, ...), which ``auto`` keeps.
+
+Engagement rule: ``engaged`` is True iff ``trainer.optimizer`` (unwrapped from accelerate) really is
+the fused or 8-bit optimizer the decision stands for. Plain AdamW accelerates nothing and is reported
+``engaged: false`` ("plain AdamW in force as planned"). Before the Trainer creates its optimizer (at
+train start) verify says "not created yet"; the callback re-verifies at train begin.
+"""
 
 from __future__ import annotations
 
+import logging
+
+from ..config import SpeedupConfigError
 from ..plan import Decision, PlanContext
 
 NAME = "optimizer"
+logger = logging.getLogger("hf_speedup")
+
+# our name -> TrainingArguments.optim
+TO_HF = {
+    "adamw": "adamw_torch",
+    "adamw_fused": "adamw_torch_fused",
+    "adamw_8bit": "adamw_bnb_8bit",
+    "paged_adamw_8bit": "paged_adamw_8bit",
+}
+FROM_HF = {v: k for k, v in TO_HF.items()} | {"adamw_8bit": "adamw_8bit"}  # both bnb spellings
+CHAIN_TAIL = ("adamw_fused", "adamw")
+# what verify must find for each choice
+KIND = {"adamw": "plain", "adamw_fused": "fused", "adamw_8bit": "8bit", "paged_adamw_8bit": "paged_8bit"}
+
+
+# --------------------------------------------------------------------------------------------- decide
+def args_optim(args) -> str | None:
+    """``TrainingArguments.optim`` as a plain string (it may be an ``OptimizerNames`` enum)."""
+    if args is None:
+        return None
+    value = getattr(args, "optim", None)
+    return str(getattr(value, "value", value)) if value is not None else None
+
+
+def _default_optim() -> str:
+    """What a fresh TrainingArguments uses (adamw_torch_fused with torch >= 2.8 in transformers 5)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    field = next(f for f in dataclasses.fields(TrainingArguments) if f.name == "optim")
+    return str(getattr(field.default, "value", field.default))
+
+
+def runnable(name: str, caps) -> tuple[bool, str]:
+    if name in ("adamw_8bit", "paged_adamw_8bit"):
+        return caps.bitsandbytes, caps.bitsandbytes_reason or "bitsandbytes is not usable here"
+    if name == "adamw_fused":
+        return caps.fused_adamw, f"torch has no fused AdamW for {caps.device_type} here"
+    return True, ""
+
+
+def _walk_chain(wanted: str, caps, strict: bool) -> tuple[str, list[str]]:
+    chain = CHAIN_TAIL[CHAIN_TAIL.index(wanted):] if wanted in CHAIN_TAIL else (wanted, *CHAIN_TAIL)
+    fallbacks: list[str] = []
+    for name in chain:
+        ok, why = runnable(name, caps)
+        if ok:
+            return name, fallbacks
+        if strict:
+            allowed = [n for n in TO_HF if runnable(n, caps)[0]] + ["auto", "keep"]
+            raise SpeedupConfigError([
+                f"optimizer.name = {name!r} cannot run on this machine ({why}) and optimizer.strict = true; "
+                f"allowed here: {', '.join(repr(a) for a in allowed)}; fix: set optimizer.name: auto (or one of the "
+                "allowed values), or optimizer.strict: false to fall back along 8-bit -> fused -> AdamW"
+            ])
+        fallbacks.append(f"{name}: {why}")
+    raise AssertionError("plain AdamW always runs")  # pragma: no cover
+
+
+def _resolve(s, caps, user: str | None) -> tuple[str, str, str, list[str], bool]:
+    """(our name or the user's raw optim, TrainingArguments.optim, reason, fallbacks, keep the args as they are)."""
+    if s.name == "keep":
+        raw = user or _default_optim()
+        return FROM_HF.get(raw, raw), raw, f"keep: TrainingArguments' optim={raw!r}", [], True
+    if s.name == "auto":
+        if user is not None and user not in FROM_HF:
+            return user, user, (f"auto keeps TrainingArguments' optim={user!r} (not an AdamW variant "
+                                "hf_speedup manages)"), [], True
+        # an 8-bit optimizer already in the user's args is an explicit wish: auto starts the chain there
+        wanted = FROM_HF[user] if user in FROM_HF and KIND[FROM_HF[user]].endswith("8bit") else "adamw_fused"
+        name, fallbacks = _walk_chain(wanted, caps, s.strict)
+        reason = _why(name, caps) if not fallbacks else f"auto: {wanted} cannot run here -> {name}"
+        if user and user != TO_HF[name] and not fallbacks:
+            reason += f"; replaces TrainingArguments' optim={user!r}"
+        return name, TO_HF[name], reason, fallbacks, False
+    name, fallbacks = _walk_chain(s.name, caps, s.strict)
+    reason = f"{name} as requested: {_why(name, caps)}" if name == s.name else f"{s.name} cannot run here -> {name}"
+    if user and user != TO_HF[name]:
+        reason += f"; overrides TrainingArguments' optim={user!r} (optimizer.name is explicit)"
+    return name, TO_HF[name], reason, fallbacks, False
+
+
+def _why(name: str, caps) -> str:
+    return {
+        "adamw_fused": f"fused AdamW: one kernel updates every parameter on {caps.device_type} (same math as AdamW)",
+        "adamw": "plain AdamW (foreach)",
+        "adamw_8bit": "bitsandbytes 8-bit AdamW: optimizer state in 8 bits (~75% less state memory)",
+        "paged_adamw_8bit": ("bitsandbytes paged 8-bit AdamW: 8-bit state in CUDA unified memory that pages to "
+                             "host under pressure instead of OOM"),
+    }[name]
 
 
 def decide(ctx: PlanContext) -> Decision:
-    return Decision(NAME, requested=None, applied="off", reason="TODO")
+    s, caps = ctx.config.optimizer, ctx.caps
+    applied, hf_name, reason, fallbacks, keep = _resolve(s, caps, args_optim(ctx.args))
+    if hf_name in ("adamw_bnb_8bit", "paged_adamw_8bit"):
+        reason += "; embeddings keep 32-bit state (transformers registers that override)"
+    for fb in fallbacks:
+        logger.warning("hf_speedup optimizer fallback: %s", fb)
+    return Decision(NAME, requested=s.name, applied=applied, reason=reason,
+                    settings={"optim": hf_name, "keep": keep},
+                    fallbacks=fallbacks)
 
 
+# --------------------------------------------------------------------------------------------- apply
 def training_args(decision: Decision, args) -> dict:
-    return {}
+    """``optim`` for the stock Trainer's own optimizer factory; nothing when keeping the user's."""
+    if decision.settings.get("keep"):
+        return {}
+    return {"optim": decision.settings["optim"]}
 
 
 def apply(decision: Decision, setup) -> None:
-    pass
+    """Nothing to do before the Trainer exists: it builds the optimizer from ``args.optim``."""
+
+
+# --------------------------------------------------------------------------------------------- verify
+def describe(opt) -> tuple[str, str]:
+    """(kind, text) of a live optimizer: kind in fused | plain | 8bit | paged_8bit | other."""
+    import torch
+
+    cls = type(opt)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__.startswith("bitsandbytes"):
+        bits = getattr(getattr(opt, "args", None), "optim_bits", None)
+        if bits is None:
+            bits = 8 if "8bit" in cls.__name__ else 32
+        paged = bool(getattr(opt, "is_paged", False))
+        text = f"{name}(optim_bits={bits}, is_paged={paged})" + _state_note(opt)
+        if bits != 8:
+            return "other", text
+        if paged and _on_cpu(opt):
+            return "8bit", text + " - paging is CUDA-only: bitsandbytes keeps CPU state unpaged"
+        return ("paged_8bit" if paged else "8bit"), text
+    if isinstance(opt, torch.optim.AdamW) or cls.__name__ == "AdamW":
+        group = opt.param_groups[0] if opt.param_groups else {}
+        fused = bool(group.get("fused", opt.defaults.get("fused")))
+        foreach = group.get("foreach", opt.defaults.get("foreach"))
+        return ("fused" if fused else "plain"), f"{name}(fused={fused}, foreach={foreach})"
+    return "other", name
+
+
+def _on_cpu(opt) -> bool:
+    for group in opt.param_groups:
+        for p in group["params"]:
+            return p.device.type == "cpu"
+    return False
+
+
+def _state_note(opt) -> str:
+    import torch
+
+    states = [s for s in opt.state.values() if "state1" in s]
+    if not states:
+        return ", state not created yet"
+    n8 = sum(1 for s in states if s["state1"].dtype == torch.uint8)
+    return f", {n8}/{len(states)} parameter states in 8 bits"
 
 
 def verify(decision: Decision, trainer) -> tuple[bool, str]:
-    return False, "TODO"
+    from ..compat import unwrap_optimizer
+
+    if getattr(trainer, "optimizer", None) is None:
+        return False, "optimizer not created yet (the Trainer builds it at train start; re-verified then)"
+    kind, text = describe(unwrap_optimizer(trainer.optimizer))
+    want = KIND.get(decision.applied)
+    if decision.settings.get("keep") or want is None:
+        return kind in ("fused", "8bit", "paged_8bit"), f"{text} in force (the TrainingArguments' own choice)"
+    if kind != want:
+        logger.warning("hf_speedup optimizer: planned %s but found %s", decision.applied, text)
+        return False, f"MISMATCH: planned {decision.applied}, found {text}"
+    if kind == "plain":
+        return False, f"plain AdamW in force as planned: {text}"
+    return True, text

@@ -1,24 +1,252 @@
-"""bf16 / fp16 (+ grad scaling) / fp32 through TrainingArguments; TF32 and cudnn.benchmark on CUDA."""
+"""bf16 / fp16 (+ grad scaling) / fp32 through TrainingArguments; TF32 and cudnn.benchmark on CUDA.
+
+Fallback chain: bf16 -> fp16 with dynamic loss scaling (CUDA without bf16) -> fp32; with
+``precision.strict`` a request that cannot run here is a :class:`SpeedupConfigError` at plan time.
+``auto`` picks bf16 only where it is native *and fast* (``caps.bf16``: Ampere+ GPU, AMX CPU): on a CPU
+with avx512_bf16 but no AMX, bf16 autocast was measured 2.6x slower than fp32.
+
+Engagement rule: ``engaged`` is True iff every reduced-precision setting the decision stands for
+(bf16 or fp16 autocast, TF32 matmuls) is verified in force on the live objects. A decision for plain
+fp32 accelerates nothing: it is reported ``engaged: false`` with "fp32 (no mixed precision) in force as
+planned" — or with what differs from the plan.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
+from ..config import SpeedupConfigError
 from ..plan import Decision, PlanContext
 
 NAME = "precision"
+CHAIN = ("bf16", "fp16", "fp32")
+logger = logging.getLogger("hf_speedup")
+
+
+# --------------------------------------------------------------------------------------------- decide
+def args_dtype(args) -> str:
+    """The dtype a TrainingArguments asks for ('fp32' when neither flag is set or there are no args)."""
+    if args is not None and getattr(args, "bf16", False):
+        return "bf16"
+    if args is not None and getattr(args, "fp16", False):
+        return "fp16"
+    return "fp32"
+
+
+def runnable(dtype: str, caps) -> tuple[bool, str]:
+    """Can ``dtype`` mixed precision run here at all? (Fast is a separate question: ``caps.bf16``.)"""
+    if dtype == "fp32":
+        return True, ""
+    if dtype == "bf16":
+        if caps.bf16 or caps.device_type == "cpu":  # CPU autocast runs bf16 everywhere, slowly without AMX
+            return True, ""
+        return False, f"no bf16 on {caps.device_name} ({caps.bf16_reason or 'needs an Ampere+ GPU'})"
+    if caps.device_type == "cpu":
+        return False, "fp16 autocast is not available on CPU (accelerate runs fp16 only on accelerators)"
+    if not caps.fp16:
+        return False, f"no fp16 on {caps.device_name}"
+    return True, ""
+
+
+def _strict_error(field: str, value, why: str, allowed: list, fix: str) -> SpeedupConfigError:
+    return SpeedupConfigError([
+        f"{field} = {value!r} cannot run on this machine ({why}) and precision.strict = true; "
+        f"allowed here: {', '.join(repr(a) for a in allowed)}; fix: {fix}"
+    ])
+
+
+def _walk_chain(wanted: str, caps, strict: bool, from_args: bool = False) -> tuple[str, list[str]]:
+    """First runnable dtype from ``wanted`` down the chain; each skipped step becomes a fallback."""
+    fallbacks: list[str] = []
+    for dtype in CHAIN[CHAIN.index(wanted):]:
+        ok, why = runnable(dtype, caps)
+        if ok:
+            return dtype, fallbacks
+        if strict:
+            allowed = [d for d in CHAIN if runnable(d, caps)[0]] + ["auto"]
+            if from_args:  # auto keeps the TrainingArguments' flag, so that flag is what cannot run
+                raise _strict_error(f"TrainingArguments.{dtype}", True, why, allowed,
+                                    f"set {dtype}=False in TrainingArguments (precision.dtype: auto then picks "
+                                    "for this machine), or precision.strict: false")
+            raise _strict_error("precision.dtype", dtype, why, allowed,
+                                "set precision.dtype: auto (or one of the allowed values), or precision.strict: "
+                                "false to fall back along bf16 -> fp16 -> fp32")
+        fallbacks.append(f"{dtype}: {why}")
+    raise AssertionError("fp32 always runs")  # pragma: no cover
+
+
+def _auto_dtype(caps) -> tuple[str, str]:
+    if caps.bf16:
+        return "bf16", f"bf16 autocast: native and fast here ({caps.bf16_reason or caps.device_name})"
+    if caps.device_type == "cuda" and caps.fp16:
+        return "fp16", (f"fp16 autocast with dynamic loss scaling: {caps.device_name} has fp16 tensor cores "
+                        f"but no bf16 ({caps.bf16_reason or 'compute capability < 8.0'})")
+    return "fp32", f"fp32 (no mixed precision): bf16 would not be faster here ({caps.bf16_reason or 'no native bf16'})"
+
+
+def _decide_dtype(s, caps, args) -> tuple[str, str, list[str]]:
+    """(dtype, reason, fallbacks) for ``precision.dtype``."""
+    user = args_dtype(args)
+    if s.dtype == "keep":
+        return user, f"keep: TrainingArguments' own setting ({user})", []
+    if s.dtype == "auto":
+        if user != "fp32":
+            dtype, fallbacks = _walk_chain(user, caps, s.strict, from_args=True)
+            reason = f"auto keeps the TrainingArguments' explicit {user}=True"
+            if dtype != user:
+                reason += f", which cannot run here -> {dtype}"
+            elif user == "fp16" and caps.bf16:
+                reason += " (bf16 would be preferable on this device: no loss scaling, same speed)"
+            return dtype, _slow_bf16_note(dtype, caps, reason), fallbacks
+        dtype, reason = _auto_dtype(caps)
+        return dtype, reason, []
+    dtype, fallbacks = _walk_chain(s.dtype, caps, s.strict)
+    reason = f"{dtype} as requested" if dtype == s.dtype else f"{s.dtype} cannot run here -> {dtype}"
+    if dtype == "fp16":
+        reason += " (autocast with dynamic loss scaling)"
+    if user != s.dtype and args is not None:
+        reason += f"; overrides TrainingArguments' {user} (precision.dtype is explicit)"
+    return dtype, _slow_bf16_note(dtype, caps, reason), fallbacks
+
+
+def _slow_bf16_note(dtype: str, caps, reason: str) -> str:
+    if dtype == "bf16" and not caps.bf16:
+        return reason + f"; expected SLOWER than fp32 here: {caps.bf16_reason or 'no native bf16'}"
+    return reason
+
+
+def _decide_tf32(s, caps, args) -> tuple[bool | None, str, list[str]]:
+    """(tf32 value to set or None to leave alone, reason, fallbacks)."""
+    want = s.tf32
+    if want == "keep":
+        return None, "tf32: keep", []
+    if caps.device_type != "cuda":
+        note = f"tf32: n/a on {caps.device_type} (CUDA Ampere+ only)"
+        if want is True:
+            if s.strict:
+                raise _strict_error("precision.tf32", True, note, ["auto", "keep", False],
+                                    "set precision.tf32: auto, or precision.strict: false")
+            return None, note, [note]
+        return None, note, []
+    if want is False:
+        return False, "tf32 off as requested", []
+    if not caps.tf32:
+        note = f"tf32: {caps.device_name} has no TF32 (needs compute capability >= 8.0)"
+        if want is True and s.strict:
+            raise _strict_error("precision.tf32", True, note, ["auto", "keep", False],
+                                "set precision.tf32: auto, or precision.strict: false")
+        return None, note, [note] if want is True else []
+    if want == "auto" and args is not None and getattr(args, "tf32", None) is False:
+        return False, "tf32: auto keeps the TrainingArguments' explicit tf32=False", []
+    return True, "tf32 on for fp32 matmuls", []
 
 
 def decide(ctx: PlanContext) -> Decision:
-    s, caps = ctx.config.precision, ctx.caps
-    return Decision(NAME, requested=s.dtype, applied="fp32", reason="TODO")
+    s, caps, args = ctx.config.precision, ctx.caps, ctx.args
+    dtype, reason, fallbacks = _decide_dtype(s, caps, args)
+    tf32, tf32_reason, tf32_fallbacks = _decide_tf32(s, caps, args)
+    cudnn_benchmark = caps.device_type == "cuda" and s.tf32 != "keep"
+    notes = [reason, tf32_reason] + (["cudnn.benchmark on"] if cudnn_benchmark else [])
+    weights = ctx.model.dtype if ctx.model is not None else None
+    if weights == "float16" and dtype == "fp16" and not ctx.config.lora.enabled:
+        notes.append("note: float16 weights cannot be fully fine-tuned under grad scaling ('Attempting to unscale "
+                     "FP16 gradients'); load the model in float32 or bfloat16")
+    elif weights == "bfloat16" and dtype == "fp32":
+        notes.append("note: the weights are bfloat16, so compute runs in bf16 without autocast")
+    decision = Decision(
+        NAME, requested=s.dtype, applied=dtype + ("+tf32" if tf32 else ""), reason="; ".join(notes),
+        settings={"dtype": dtype, "keep": s.dtype == "keep", "tf32": tf32, "tf32_requested": s.tf32,
+                  "cudnn_benchmark": cudnn_benchmark, "grad_scaling": dtype == "fp16",
+                  "device_type": caps.device_type},
+        fallbacks=fallbacks + tf32_fallbacks,
+    )
+    for fb in decision.fallbacks:
+        logger.warning("hf_speedup precision fallback: %s", fb)
+    if dtype == "bf16" and not caps.bf16:
+        logger.warning("hf_speedup precision: %s", reason)
+    return decision
 
 
+# --------------------------------------------------------------------------------------------- apply
 def training_args(decision: Decision, args) -> dict:
-    return {}
+    """bf16/fp16/tf32 overrides; nothing for ``keep`` (the baseline must leave the args untouched)."""
+    st = decision.settings
+    out: dict = {}
+    if not st.get("keep"):
+        out.update(bf16=st["dtype"] == "bf16", fp16=st["dtype"] == "fp16")
+        # TrainingArguments refuses bf16 without a bf16 GPU unless told the run is on CPU
+        if st["dtype"] == "bf16" and st.get("device_type") == "cpu" and not getattr(args, "use_cpu", False):
+            out["use_cpu"] = True
+    if st.get("tf32") is not None:
+        out["tf32"] = st["tf32"]
+    return out
 
 
 def apply(decision: Decision, setup) -> None:
-    pass
+    """cudnn.benchmark is process-global torch state, not a TrainingArguments field: set it here."""
+    if decision.settings.get("cudnn_benchmark"):
+        import torch
+
+        torch.backends.cudnn.benchmark = True
+        logger.info("hf_speedup precision: torch.backends.cudnn.benchmark = True")
+
+
+# --------------------------------------------------------------------------------------------- verify
+def _trainable_dtypes(model) -> Counter:
+    return Counter(str(p.dtype).replace("torch.", "") for p in model.parameters() if p.requires_grad)
+
+
+def _dtype_in_force(trainer) -> tuple[str, str]:
+    """(dtype actually in force: bf16|fp16|fp32, evidence) from the trainer's accelerator and model."""
+    acc = getattr(trainer, "accelerator", None)
+    mp = str(getattr(acc, "mixed_precision", "no"))
+    native = bool(getattr(acc, "native_amp", False))
+    scaler = getattr(acc, "scaler", None)
+    prepared = bool(getattr(acc, "_models", None))
+    wrapped = hasattr(trainer.model, "_original_forward")
+    evidence = f"accelerator.mixed_precision={mp!r}, native_amp={native}"
+    if mp == "fp16":
+        evidence += f", grad scaler={'yes' if scaler is not None else 'none'}"
+    if prepared:
+        evidence += f", autocast forward={'yes' if wrapped else 'no'}"
+    if mp in ("bf16", "fp16") and native and (wrapped or not prepared) and (mp == "bf16" or scaler is not None):
+        return mp, evidence
+    if mp in ("bf16", "fp16"):
+        return "fp32", evidence + f" -> {mp} is NOT active (no autocast{'/grad scaler' if mp == 'fp16' else ''})"
+    return "fp32", evidence
 
 
 def verify(decision: Decision, trainer) -> tuple[bool, str]:
-    return False, "TODO"
+    import torch
+
+    from ..compat import tf32_matmul_enabled
+
+    st = decision.settings
+    want = st.get("dtype", "fp32")
+    have, evidence = _dtype_in_force(trainer)
+    parts, ok = [], True
+    dtypes = _trainable_dtypes(trainer.model)
+    weights = ", ".join(f"{k}: {v}" for k, v in dtypes.most_common()) or "none trainable"
+    if have != want:
+        ok = False
+        parts.append(f"MISMATCH: planned {want}, in force {have} ({evidence})")
+        logger.warning("hf_speedup precision: planned %s but %s is in force (%s)", want, have, evidence)
+    elif want == "fp32":
+        parts.append(f"fp32 (no mixed precision) in force as planned ({evidence})")
+    else:
+        parts.append(f"{want} autocast in force ({evidence})")
+    parts.append(f"trainable weights {weights}")
+    accelerated = want != "fp32"
+    if st.get("tf32") is not None:
+        on = tf32_matmul_enabled()
+        parts.append(f"TF32 matmuls {'on' if on else 'off'}")
+        if on != st["tf32"]:
+            ok = False
+            parts.append(f"MISMATCH: planned tf32={st['tf32']}")
+        accelerated = accelerated or bool(st["tf32"])
+    if st.get("cudnn_benchmark"):
+        bench = bool(torch.backends.cudnn.benchmark)
+        parts.append(f"cudnn.benchmark={bench}")
+        ok = ok and bench
+    return bool(ok and accelerated), "; ".join(parts)

@@ -1,0 +1,150 @@
+"""data: padding to a multiple on the real collator, and the DataLoader settings in the trainer's args."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
+from hf_speedup import SpeedupTrainer, build_plan, get_preset
+from hf_speedup.compat import replace_args
+from hf_speedup.features import data
+
+
+def plan_for(caps: dict, args=None, **data_settings):
+    cfg = get_preset("baseline").replace(data=data_settings)
+    return build_plan(cfg, caps=fake_caps(**caps), args=args)["data"]
+
+
+@pytest.fixture(scope="module")
+def varlen_dataset(tokenizer):
+    """Unpacked rows: lengths vary, so padding decides the batch length."""
+    from hf_speedup.tiny import make_dataset
+
+    return make_dataset(tokenizer, n=64, seed=1)
+
+
+# ------------------------------------------------------------------------------------------ plan
+def test_baseline_changes_nothing(make_args):
+    d = build_plan("baseline", caps=fake_caps(**CUDA_H100), args=make_args())["data"]
+    assert d.applied == "off" and data.training_args(d, make_args()) == {}
+
+
+def test_loader_settings_on_cuda_map_to_trainingarguments(make_args):
+    d = plan_for(CUDA_H100, num_workers=4, pin_memory=True, prefetch_factor=4, persistent_workers=True,
+                 pad_to_multiple_of=8)
+    assert d.fallbacks == []
+    assert data.training_args(d, make_args()) == {
+        "dataloader_num_workers": 4, "dataloader_pin_memory": True, "dataloader_prefetch_factor": 4,
+        "dataloader_persistent_workers": True}
+    assert replace_args(make_args(), data.training_args(d, make_args())).dataloader_prefetch_factor == 4
+
+
+def test_pinning_is_not_applied_on_cpu(make_args):
+    d = plan_for(CPU_NO_BF16, pin_memory=True)
+    assert "dataloader_pin_memory" not in data.training_args(d, make_args())
+    assert d.fallbacks and d.fallbacks[0].startswith("pin_memory: pinned host memory only speeds host-to-GPU")
+
+
+def test_prefetch_and_persistent_workers_need_workers(make_args):
+    d = plan_for(CUDA_H100, args=make_args(dataloader_num_workers=0), prefetch_factor=4, persistent_workers=True)
+    assert data.training_args(d, None) == {}
+    assert [f.split("=")[0] for f in d.fallbacks] == ["prefetch_factor", "persistent_workers"]
+    # the user's workers count: with workers in the args, prefetch is valid
+    d = plan_for(CUDA_H100, args=make_args(dataloader_num_workers=2), prefetch_factor=4)
+    assert data.training_args(d, None) == {"dataloader_prefetch_factor": 4}
+
+
+def test_zero_workers_clears_worker_only_settings_from_the_args_so_they_stay_valid(make_args):
+    args = make_args(dataloader_num_workers=2, dataloader_prefetch_factor=2, dataloader_persistent_workers=True)
+    d = plan_for(CPU_NO_BF16, args=args, num_workers=0)
+    new = replace_args(args, data.training_args(d, args))  # TrainingArguments validation would raise otherwise
+    assert (new.dataloader_num_workers, new.dataloader_prefetch_factor, new.dataloader_persistent_workers) == (0, None, False)
+
+
+# ------------------------------------------------------------------------------------------ collator
+def test_padding_collator_is_copied_not_mutated(collator):
+    new, note = data.padded_collator(collator, None, 8)
+    assert new is not collator and new.pad_to_multiple_of == 8 and collator.pad_to_multiple_of is None
+    assert "pad_to_multiple_of=8" in note
+
+
+def test_collator_already_padding_to_a_multiple_is_kept(tokenizer):
+    from hf_speedup.tiny import causal_lm_collator
+
+    c64 = causal_lm_collator(tokenizer, pad_to_multiple_of=64)
+    assert data.padded_collator(c64, None, 8)[0] is c64
+    c12 = causal_lm_collator(tokenizer, pad_to_multiple_of=12)
+    assert data.padded_collator(c12, None, 8)[0].pad_to_multiple_of == 8  # 12 is not a multiple of 8
+
+
+def test_default_collator_is_rebuilt_only_where_the_trainer_would_pad(tokenizer):
+    from transformers import DataCollatorWithPadding
+
+    built, _ = data.padded_collator(None, tokenizer, 8)
+    assert type(built) is DataCollatorWithPadding and built.pad_to_multiple_of == 8
+    none, why = data.padded_collator(None, None, 8)
+    assert none is None and "default_data_collator" in why
+    fn, why = data.padded_collator(lambda rows: rows, tokenizer, 8)
+    assert fn is None and "has no pad_to_multiple_of" in why
+
+
+# ------------------------------------------------------------------------------------------ real objects
+def _lengths(trainer, n=6):
+    out = []
+    for i, batch in enumerate(trainer.get_train_dataloader()):
+        out.append(batch["input_ids"].shape[1])
+        if i + 1 == n:
+            break
+    return out
+
+
+def test_real_batches_are_padded_to_the_multiple(varlen_dataset, collator, make_args):
+    from hf_speedup.tiny import tiny_llama
+
+    def trainer(cfg):
+        return SpeedupTrainer(model=tiny_llama(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                               num_key_value_heads=2),
+                              args=make_args(max_steps=2), train_dataset=varlen_dataset, data_collator=collator,
+                              speedup=cfg)
+
+    plain = _lengths(trainer("baseline"))
+    assert any(n % 8 for n in plain), plain  # otherwise this test could not tell padding apart
+    padded_trainer = trainer(get_preset("baseline").replace(data={"pad_to_multiple_of": 8}))
+    assert padded_trainer.data_collator is not collator and collator.pad_to_multiple_of is None
+    assert all(n % 8 == 0 for n in _lengths(padded_trainer))
+    padded_trainer.train()
+    d = padded_trainer.speedup_plan["data"]
+    assert d.engaged is True and "DataCollatorForLanguageModeling.pad_to_multiple_of=8" in d.engaged_reason
+
+
+def test_tokenizer_only_gets_the_trainers_default_collator_with_padding(tiny_model, varlen_dataset, tokenizer,
+                                                                       make_args):
+    from transformers import DataCollatorWithPadding
+
+    cfg = get_preset("baseline").replace(data={"pad_to_multiple_of": 16})
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=varlen_dataset,
+                             processing_class=tokenizer, speedup=cfg)
+    assert type(trainer.data_collator) is DataCollatorWithPadding and trainer.data_collator.pad_to_multiple_of == 16
+    assert all(n % 16 == 0 for n in _lengths(trainer, 3))
+    assert trainer.speedup_plan["data"].engaged is True
+
+
+def test_no_collator_and_no_tokenizer_is_reported_not_engaged(tiny_model, dataset, make_args):
+    cfg = get_preset("baseline").replace(data={"pad_to_multiple_of": 8})
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, speedup=cfg)
+    d = trainer.speedup_plan["data"]
+    assert d.engaged is False and d.applied == "off"
+    assert "no collator to pad" in d.fallbacks[0] and "no collator to pad" in d.engaged_reason
+
+
+def test_loader_settings_are_in_the_trainers_args(tiny_model, dataset, collator, make_args):
+    cfg = get_preset("baseline").replace(data={"num_workers": 1, "prefetch_factor": 3, "persistent_workers": True})
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, data_collator=collator,
+                             speedup=cfg)
+    a = trainer.args
+    assert (a.dataloader_num_workers, a.dataloader_prefetch_factor, a.dataloader_persistent_workers) == (1, 3, True)
+    d = trainer.speedup_plan["data"]
+    assert d.engaged is True and "args.dataloader_prefetch_factor=3" in d.engaged_reason
+    trainer.args.dataloader_prefetch_factor = 2  # verify reads the live args, not the plan
+    engaged, reason = data.verify(d, trainer)
+    assert engaged is False and "MISMATCH: planned 3" in reason

@@ -1,0 +1,125 @@
+"""empty_cache: torch_empty_cache_steps and expandable_segments on CUDA; honestly off on CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
+from hf_speedup import SpeedupTrainer, build_plan, get_preset
+from hf_speedup.compat import get_allocator_settings, set_allocator_settings
+from hf_speedup.features import memory
+
+
+def plan_for(caps: dict, preset: str = "memory", args=None):
+    return build_plan(preset, caps=fake_caps(**caps), args=args)["empty_cache"]
+
+
+@pytest.fixture
+def restore_allocator():
+    before = get_allocator_settings()
+    yield
+    set_allocator_settings("expandable_segments:True" if before and "expandable_segments:true" in before.lower()
+                           else "expandable_segments:False")
+
+
+# ------------------------------------------------------------------------------------------ plan
+def test_cuda_memory_preset_sets_empty_cache_steps_and_expandable_segments(make_args):
+    d = plan_for(CUDA_H100)
+    assert d.applied == "every 50 steps + expandable" and d.fallbacks == []
+    assert memory.training_args(d, make_args()) == {"torch_empty_cache_steps": 50}
+    assert d.settings["expandable_segments"] is True
+
+
+def test_cpu_reports_not_applicable_with_the_reason_and_changes_nothing(make_args):
+    d = plan_for(CPU_NO_BF16)
+    assert d.applied == "off" and "no CUDA caching allocator" in d.reason
+    assert d.fallbacks and d.fallbacks[0].startswith("every 50 steps + expandable:")
+    assert memory.training_args(d, make_args()) == {}
+    assert memory.verify(d, SimpleNamespace(args=make_args()))[0] is False
+
+
+def test_off_keeps_the_users_own_empty_cache_steps(make_args):
+    d = plan_for(CUDA_H100, "baseline", args=make_args(torch_empty_cache_steps=7))
+    assert d.applied == "off" and memory.training_args(d, None) == {}
+    assert "torch_empty_cache_steps=7 is kept" in d.reason
+
+
+# ------------------------------------------------------------------------------------------ allocator env
+def test_allocator_env_merges_with_settings_already_there():
+    env = memory.allocator_env(True, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:False"})
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:True",
+                   "PYTORCH_ALLOC_CONF": "max_split_size_mb:128,expandable_segments:True"}
+    # torch reads PYTORCH_CUDA_ALLOC_CONF first, so its value is the one that is extended
+    env = memory.allocator_env(True, {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6",
+                                      "PYTORCH_ALLOC_CONF": "max_split_size_mb:64"})
+    assert env["PYTORCH_ALLOC_CONF"] == "garbage_collection_threshold:0.6,expandable_segments:True"
+    assert memory.allocator_env(True, {}) == {v: "expandable_segments:True" for v in memory.ENV_VARS}
+
+
+def test_memory_env_for_launchers_follows_the_preset():
+    assert memory.memory_env("memory", {}) == {v: "expandable_segments:True" for v in memory.ENV_VARS}
+    assert memory.memory_env("auto", {}) == {}
+
+
+def test_enable_before_cuda_init_exports_env_and_sets_the_allocator(monkeypatch, restore_allocator):
+    monkeypatch.setattr(memory, "cuda_initialized", lambda: False)
+    env: dict = {}
+    ok, how = memory.enable_expandable_segments(env)
+    assert ok and env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and "before CUDA" in how
+    assert "expandable_segments:True" in get_allocator_settings()
+
+
+def test_enable_after_cuda_init_sets_it_at_run_time_only_and_says_what_that_means(monkeypatch, restore_allocator):
+    monkeypatch.setattr(memory, "cuda_initialized", lambda: True)
+    set_allocator_settings("expandable_segments:False")
+    env: dict = {}
+    ok, how = memory.enable_expandable_segments(env)
+    assert ok and env == {}  # too late for the env to matter: not pretended
+    assert "run time after CUDA initialised" in how and "stay fixed-size" in how
+    assert "expandable_segments:True" in get_allocator_settings()
+
+
+def test_verify_reads_the_allocator_and_the_trainer_args(restore_allocator):
+    d = plan_for(CUDA_H100)
+    set_allocator_settings("expandable_segments:False")
+    engaged, reason = memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=50)))
+    assert engaged is False and "expandable_segments OFF" in reason
+    set_allocator_settings("expandable_segments:True")
+    engaged, reason = memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=50)))
+    assert engaged is True and "args.torch_empty_cache_steps=50" in reason
+    assert memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=None)))[0] is False
+
+
+# ------------------------------------------------------------------------------------------ real objects
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour")
+def test_memory_preset_on_cpu_is_reported_not_engaged(monkeypatch, tiny_model, dataset, collator, make_args):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
+                             data_collator=collator, speedup="memory")
+    trainer.train()
+    d = trainer.speedup_plan["empty_cache"]
+    assert d.engaged is False and "no CUDA caching allocator" in d.to_dict()["reason"]
+    assert trainer.args.torch_empty_cache_steps is None
+    import os
+
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # nothing set for an allocator that is not there
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_memory_preset_engages(tiny_model, dataset, collator, make_args, restore_allocator):
+    cfg = get_preset("baseline").replace(memory={"empty_cache_steps": 2, "expandable_segments": True})
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=3, use_cpu=False), train_dataset=dataset,
+                             data_collator=collator, speedup=cfg)
+    trainer.train()
+    d = trainer.speedup_plan["empty_cache"]
+    assert d.engaged is True, d.engaged_reason
+    assert trainer.args.torch_empty_cache_steps == 2
+    assert torch.cuda.memory.get_allocator_backend() == "native"
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # a new segment after the setting
+    segments = torch.cuda.memory_snapshot()
+    assert any(s.get("is_expandable") for s in segments), segments[:2]
+    del x
