@@ -1,4 +1,4 @@
-"""Plain-text tables that fit an 80-column terminal."""
+"""Plain-text tables that fit an 80-column terminal: the plan, the metrics, several runs side by side."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ def _cell(v) -> str:
         return "-"
     if isinstance(v, bool):
         return "yes" if v else "no"
+    if isinstance(v, (list, tuple)):
+        return ",".join(_cell(x) for x in v) or "-"
+    if isinstance(v, dict):
+        return ",".join(f"{k}={_cell(x)}" for k, x in v.items()) or "-"
     return str(v)
+
+
+def _clip(s: str, w: int) -> str:
+    return s if len(s) <= w else s[: max(0, w - 1)] + "~"
 
 
 def table(headers: list[str], rows: list[list], widths: list[int]) -> str:
@@ -19,21 +27,223 @@ def table(headers: list[str], rows: list[list], widths: list[int]) -> str:
     out.append("  ".join("-" * w for w in widths))
     for row in rows:
         cells = [_cell(c) for c in row]
-        head = [c[:w].ljust(w) for c, w in zip(cells[:-1], widths[:-1])]
-        wrapped = textwrap.wrap(cells[-1], widths[-1]) or [""]
+        head = [_clip(c, w).ljust(w) for c, w in zip(cells[:-1], widths[:-1])]
+        wrapped = textwrap.wrap(cells[-1], widths[-1], break_on_hyphens=False) or [""]
         out.append(("  ".join(head) + "  " + wrapped[0]).rstrip())
         pad = " " * (sum(w + 2 for w in widths[:-1]))
         out.extend((pad + line).rstrip() for line in wrapped[1:])
     return "\n".join(out)
 
 
-def plan_table(plan, width: int = 80) -> str:
-    widths = [13, 12, 16, 7]
-    widths.append(max(20, width - sum(w + 2 for w in widths)))
+def _fit(headers: list[str], rows: list[list], caps: list[int], width: int, last_min: int = 20) -> list[int]:
+    """Column widths: each leading column as wide as its content (up to its cap), the last gets the rest."""
+    widths = []
+    for i, cap in enumerate(caps):
+        content = max([len(headers[i])] + [len(_cell(r[i])) for r in rows])
+        widths.append(min(cap, content))
+    widths.append(max(last_min, width - sum(w + 2 for w in widths)))
+    return widths
+
+
+# ------------------------------------------------------------------------------------------ plan
+def _engaged_cell(engaged) -> str:
+    return "?" if engaged is None else ("yes" if engaged else "no")
+
+
+def plan_rows(plan_dict: dict, engaged_override: dict | None = None) -> list[list]:
+    """[feature, requested, applied, engaged, reason] per feature of a ``plan`` dict."""
     rows = []
-    for d in plan:
-        dd = d.to_dict()
-        engaged = "?" if d.engaged is None else ("yes" if d.engaged else "no")
-        rows.append([d.feature, dd["requested"], dd["applied"], engaged, dd["reason"]])
+    for feature, d in plan_dict.items():
+        engaged = (engaged_override or {}).get(feature, d.get("engaged"))
+        rows.append([feature, d.get("requested"), d.get("applied"), _engaged_cell(engaged), d.get("reason", "")])
+    return rows
+
+
+def plan_table_rows(title: str, rows: list[list], width: int = 80, max_reason_lines: int | None = None) -> str:
+    """One line per feature (requested, applied, engaged), its reason indented below at full width.
+
+    ``max_reason_lines`` caps each reason (the JSON report always has it whole).
+    """
+    headers = ["feature", "requested", "applied", "engaged"]
+    caps = [14, 22, 26, 7]
+    widths = [min(cap, max([len(h)] + [len(_cell(r[i])) for r in rows]))
+              for i, (h, cap) in enumerate(zip(headers, caps))]
+    out = [_clip(title, width), "  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
+           "  ".join("-" * w for w in widths)]
+    indent = "    "
+    for row in rows:
+        out.append("  ".join(_clip(_cell(c), w).ljust(w) for c, w in zip(row[:4], widths)).rstrip())
+        lines = textwrap.wrap(_cell(row[4]), width - len(indent), break_on_hyphens=False)
+        if max_reason_lines is not None and len(lines) > max_reason_lines:
+            lines = lines[:max(1, max_reason_lines)]
+            last, room = lines[-1], width - len(indent) - 4
+            while len(last) > room and " " in last:
+                last = last.rsplit(" ", 1)[0]
+            lines[-1] = last[:room] + " ..."
+
+        out.extend(indent + line for line in lines)
+    return "\n".join(out)
+
+
+def plan_table(plan, width: int = 80, max_reason_lines: int | None = None) -> str:
+    """The plan (a :class:`~hf_speedup.plan.Plan`): one line per feature, the reason below it."""
+    dd = plan.to_dict()
+    unverified = {d.feature: None for d in plan if d.engaged is None}
     title = f"hf_speedup plan: preset '{plan.config.name}' on {plan.caps.device_name} ({plan.caps.device_type})"
-    return title[:width] + "\n" + table(["feature", "requested", "applied", "engaged", "reason"], rows, widths)
+    return plan_table_rows(title, plan_rows(dd, unverified), width, max_reason_lines)
+
+
+def plan_table_from_report(report: dict, width: int = 80, max_reason_lines: int | None = None) -> str:
+    """The plan table of a report dict (as loaded from ``speedup_report.json``)."""
+    env = report.get("environment") or {}
+    caps = report.get("capabilities") or {}
+    device = env.get("device_name") or caps.get("device_name") or "?"
+    dtype = env.get("device_type") or caps.get("device_type") or "?"
+    title = f"hf_speedup plan: preset '{report.get('preset')}' on {device} ({dtype})"
+    return plan_table_rows(title, plan_rows(report.get("plan") or {}), width, max_reason_lines)
+
+
+# --------------------------------------------------------------------------------------- metrics
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def fmt_num(v, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:,.{digits}f}"
+
+
+def fmt_seconds(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1000:.1f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def fmt_pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def fmt_params(n) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def metric_rows(report: dict) -> list[list[str]]:
+    """[label, value, note] rows of the metrics section, with how each was obtained."""
+    m = report.get("metrics") or {}
+    x = report.get("measurement") or {}
+    mem_note = x.get("memory_source") or ""
+    steps = x.get("steps")
+    steady = x.get("steady_state_steps")
+    mfu_note = (f"of {x['peak_flops_per_device'] / 1e12:,.1f} TFLOP/s {x.get('compute_dtype', '')} "
+                f"x {x.get('num_devices', 1)} ({x.get('peak_flops_source')})" if x.get("peak_flops_per_device")
+                else (x.get("peak_flops_source") or "peak FLOP/s unknown"))
+    rows = [
+        ["tokens/s", fmt_num(m.get("tokens_per_second")), "non-padding tokens, all ranks"],
+        ["samples/s", fmt_num(m.get("samples_per_second"), 2), ""],
+        ["step time", fmt_seconds(m.get("step_time_s")),
+         f"median of {steady} steady steps of {steps}" if steps else "steady state"],
+        ["MFU", fmt_pct(m.get("mfu")), mfu_note],
+        ["peak mem allocated", fmt_bytes(m.get("peak_memory_allocated_bytes")), mem_note],
+        ["peak mem reserved", fmt_bytes(m.get("peak_memory_reserved_bytes")), mem_note],
+        ["compile time", fmt_seconds(m.get("compile_seconds")), "dynamo + backend, this run"],
+        ["recompiles", fmt_num(m.get("recompiles")), ""],
+        ["graph breaks", fmt_num(m.get("graph_breaks")), ""],
+        ["compiled regions", fmt_num(m.get("compiled_regions")), "modules running compiled"],
+        ["trainable params", fmt_params(m.get("trainable_parameters")),
+         fmt_num(m.get("trainable_parameters"))],
+        ["total params", fmt_params(m.get("total_parameters")), fmt_num(m.get("total_parameters"))],
+    ]
+    return rows
+
+
+def metrics_table(report: dict, width: int = 80) -> str:
+    """The measured metrics of a report dict, three columns, within ``width``."""
+    env = report.get("environment") or {}
+    x = report.get("measurement") or {}
+    rows = metric_rows(report)
+    headers = ["metric", "value", "how"]
+    widths = _fit(headers, rows, [18, 14], width)
+    title = (f"hf_speedup metrics: preset '{report.get('preset')}', {x.get('steps', 0)} steps, "
+             f"{x.get('num_devices', env.get('world_size', 1))} device(s), {env.get('device_name', '?')}")
+    return _clip(title, width) + "\n" + table(headers, rows, widths)
+
+
+# --------------------------------------------------------------------------------------- compare
+def compare_table(reports: list[dict], labels: list[str], width: int = 80) -> str:
+    """Runs side by side: per feature what engaged (and as what), then what each run achieved.
+
+    Columns that do not fit in ``width`` continue in a further block below.
+    """
+    label_w = 18
+    per_block = max(1, (width - label_w) // 14)
+    blocks = []
+    for start in range(0, len(reports), per_block):
+        chunk = reports[start:start + per_block]
+        names = labels[start:start + per_block]
+        col_w = max(10, min(24, (width - label_w) // len(chunk) - 2))
+        widths = [label_w] + [col_w] * len(chunk)
+        base = reports[0]
+        features: list[str] = []
+        for r in reports:
+            for f in (r.get("plan") or {}):
+                if f not in features:
+                    features.append(f)
+        rows: list[list[str]] = [["engaged:"] + [""] * len(chunk)]
+        for f in features:
+            cells = []
+            for r in chunk:
+                d = (r.get("plan") or {}).get(f)
+                if d is None:
+                    cells.append("-")
+                    continue
+                applied = _cell(d.get("applied"))
+                cells.append(("yes " + applied) if d.get("engaged") else f"no ({applied})")
+            rows.append(["  " + f] + cells)
+        rows.append(["achieved:"] + [""] * len(chunk))
+        base_m = base.get("metrics") or {}
+        for label, key, fmt in (("tokens/s", "tokens_per_second", fmt_num),
+                                ("samples/s", "samples_per_second", lambda v: fmt_num(v, 2)),
+                                ("step time", "step_time_s", fmt_seconds), ("MFU", "mfu", fmt_pct),
+                                ("peak allocated", "peak_memory_allocated_bytes", fmt_bytes),
+                                ("peak reserved", "peak_memory_reserved_bytes", fmt_bytes),
+                                ("compile time", "compile_seconds", fmt_seconds),
+                                ("recompiles", "recompiles", fmt_num), ("graph breaks", "graph_breaks", fmt_num),
+                                ("compiled regions", "compiled_regions", fmt_num),
+                                ("trainable params", "trainable_parameters", fmt_params)):
+            rows.append(["  " + label] + [fmt((r.get("metrics") or {}).get(key)) for r in chunk])
+        speed = []
+        for r in chunk:
+            a, b = (r.get("metrics") or {}).get("tokens_per_second"), base_m.get("tokens_per_second")
+            speed.append(f"x{a / b:.2f}" if a and b else "-")
+        rows.append(["  speed vs first"] + speed)
+        mem = []
+        for r in chunk:
+            key = "peak_memory_allocated_bytes"
+            a, b = (r.get("metrics") or {}).get(key), base_m.get(key)
+            mem.append(f"x{a / b:.2f}" if a and b else "-")
+        rows.append(["  memory vs first"] + mem)
+        lines = ["  ".join(_clip(h, w).ljust(w) for h, w in zip(["run"] + names, widths)).rstrip(),
+                 "  ".join("-" * w for w in widths)]
+        for row in rows:
+            lines.append("  ".join(_clip(str(c), w).ljust(w) for c, w in zip(row, widths)).rstrip())
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)

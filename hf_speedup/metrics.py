@@ -1,0 +1,451 @@
+"""What a training run achieved: tokens, FLOPs and MFU, memory, compile statistics.
+
+Pure helpers (unit-tested against hand-computed numbers) plus small readers of torch's own counters.
+Nothing here synchronises a device: token counts stay on the device until the caller reads them at a
+point where the Trainer synchronises anyway (a logging step).
+
+Definitions (DESIGN.md, "Metric definitions"):
+
+- Tokens: ``attention_mask == 1`` (2-D masks), else ``labels != -100``, else every input id. Padding is
+  not work. Summed over ranks.
+- FLOPs per token (dense decoder, PaLM convention, per *non-padding* token)::
+
+      4 * N_frozen + 6 * N_trainable + 12 * L * H * S
+
+  with ``N`` counting matmul weights only (embedding lookups excluded; a tied output head is counted
+  once as a matmul), ``N_frozen = 0`` for a full fine-tune (giving the familiar ``6 N + 12 L H S``),
+  ``L`` layers, ``H`` the attention width (heads x head_dim, = hidden size for Llama-style models) and
+  ``S`` the mean non-padding sequence length. Recomputation by activation checkpointing is *not*
+  counted: this is MFU, not HFU.
+- MFU = FLOPs per token x tokens/s (all ranks) / (peak dense FLOP/s of the dtype in use x devices).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Sequence
+
+IGNORE_INDEX = -100
+
+
+# ------------------------------------------------------------------------------------------ tokens
+def count_tokens(batch: dict) -> Any:
+    """Non-padding tokens in one (micro-)batch of this rank, as a 0-d tensor on the batch's device.
+
+    No ``.item()``: the sum stays on the device, so counting adds no synchronisation.
+    """
+    import torch
+
+    mask = batch.get("attention_mask") if hasattr(batch, "get") else None
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return torch.count_nonzero(mask)
+    labels = batch.get("labels") if hasattr(batch, "get") else None
+    if isinstance(labels, torch.Tensor):
+        return torch.count_nonzero(labels != IGNORE_INDEX)
+    ids = batch.get("input_ids") if hasattr(batch, "get") else None
+    if isinstance(ids, torch.Tensor):
+        return torch.tensor(ids.numel(), dtype=torch.int64)
+    return torch.tensor(0, dtype=torch.int64)
+
+
+def count_samples(batch: dict) -> int:
+    """Rows in a (micro-)batch: the leading dimension of its input (host-side, no device access)."""
+    import torch
+
+    for key in ("input_ids", "inputs_embeds", "attention_mask", "labels"):
+        t = batch.get(key) if hasattr(batch, "get") else None
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    for t in (batch.values() if hasattr(batch, "values") else ()):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return 0
+
+
+class TokenCounter:
+    """Running token / sample totals of this rank.
+
+    Each micro-batch's count stays a 0-d device tensor in a pending list (one reduction kernel per
+    micro-batch, no sync); the list is folded into the total only when someone reads it.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._total = None  # 0-d int64 tensor
+        self._pending: list = []
+        self.samples = 0
+
+    def add(self, batch: dict) -> None:
+        self._pending.append(count_tokens(batch))
+        self.samples += count_samples(batch)
+
+    def tokens_tensor(self, device=None):
+        """The total as a 0-d int64 tensor (on ``device`` if given); reading it is the caller's sync."""
+        import torch
+
+        if self._pending:
+            dev = self._total.device if self._total is not None else self._pending[0].device
+            parts = [p.to(dev, dtype=torch.int64) for p in self._pending]
+            if self._total is not None:
+                parts.append(self._total)
+            self._total = torch.stack(parts).sum()
+            self._pending = []
+        if self._total is None:
+            return torch.zeros((), dtype=torch.int64, device=device)
+        return self._total if device is None else self._total.to(device)
+
+
+# Per-rank vector exchanged at logging steps: one small gather, summed or maxed per field.
+RANK_FIELDS = ("tokens", "samples", "peak_memory_allocated_bytes", "peak_memory_reserved_bytes",
+               "memory_allocated_bytes")
+_SUMMED = {"tokens", "samples"}
+
+
+def aggregate_ranks(rows: Sequence[Sequence[float]]) -> dict:
+    """Combine per-rank vectors (``RANK_FIELDS`` order): tokens and samples are summed over ranks,
+    memory is the maximum (the rank that needs the most decides whether a run fits)."""
+    if not rows:
+        return {k: 0 for k in RANK_FIELDS}
+    out = {}
+    for i, key in enumerate(RANK_FIELDS):
+        col = [int(r[i]) for r in rows]
+        out[key] = sum(col) if key in _SUMMED else max(col)
+    return out
+
+
+# --------------------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # every parameter, once (tied weights once; 4-bit packed weights unpacked)
+    trainable: int
+    matmul_trainable: int  # non-embedding parameters with requires_grad
+    matmul_frozen: int  # non-embedding parameters without requires_grad
+    embedding: int  # lookup-only parameters (nn.Embedding weights not reused as a matmul weight)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _numel(p) -> int:
+    n = p.numel()
+    # bitsandbytes 4-bit packs two weights per uint8 byte
+    if type(p).__name__ == "Params4bit" or str(getattr(p, "dtype", "")) == "torch.uint8":
+        n *= 2
+    return n
+
+
+def parameter_counts(model) -> ParamCounts:
+    """Parameter counts of the live model, split the way the FLOPs formula needs them."""
+    from torch import nn
+
+    params = {}
+    for p in model.parameters():
+        params.setdefault(id(p), p)
+    used_as_matmul: set[int] = set()
+    lookup: set[int] = set()
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(w, nn.Parameter):
+            continue
+        if isinstance(m, nn.Embedding):
+            lookup.add(id(w))
+        else:
+            used_as_matmul.add(id(w))
+    lookup_only = lookup - used_as_matmul
+    total = trainable = mm_train = mm_frozen = emb = 0
+    for pid, p in params.items():
+        n = _numel(p)
+        total += n
+        if p.requires_grad:
+            trainable += n
+        if pid in lookup_only:
+            emb += n
+        elif p.requires_grad:
+            mm_train += n
+        else:
+            mm_frozen += n
+    return ParamCounts(total=total, trainable=trainable, matmul_trainable=mm_train, matmul_frozen=mm_frozen,
+                       embedding=emb)
+
+
+def attention_dims(model) -> tuple[int | None, int | None]:
+    """(layers L, attention width H) from the model's (text) config; (None, None) when unknown."""
+    cfg = getattr(model, "config", None)
+    if cfg is None and hasattr(model, "get_base_model"):
+        cfg = getattr(model.get_base_model(), "config", None)
+    if cfg is None:
+        return None, None
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    layers = getattr(cfg, "num_hidden_layers", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    head_dim = getattr(cfg, "head_dim", None)
+    width = heads * head_dim if isinstance(heads, int) and isinstance(head_dim, int) else hidden
+    return layers, width
+
+
+# ----------------------------------------------------------------------------------------- FLOPs/MFU
+def flops_per_token(matmul_trainable: int, matmul_frozen: int = 0, num_layers: int | None = 0,
+                    attention_width: int | None = 0, seq_len: float | None = 0) -> float:
+    """Training FLOPs per non-padding token: ``4*N_frozen + 6*N_trainable + 12*L*H*S``.
+
+    Forward is 2 FLOPs per weight; backward is 2 for the activation gradient plus 2 for the weight
+    gradient, which frozen weights skip. Attention (QK^T and AV, forward 4*H*S per layer and token)
+    has no weights and is always fully back-propagated. Recomputation is not counted.
+    """
+    attn = 12 * (num_layers or 0) * (attention_width or 0) * (seq_len or 0)
+    return float(4 * matmul_frozen + 6 * matmul_trainable + attn)
+
+
+def mfu(tokens_per_second: float | None, flops_per_tok: float | None, peak_flops_per_device: float | None,
+        num_devices: int = 1) -> float | None:
+    """Model FLOPs utilisation in [0, 1]; None when the peak (or the throughput) is unknown."""
+    if not tokens_per_second or not flops_per_tok or not peak_flops_per_device or num_devices < 1:
+        return None
+    return flops_per_tok * tokens_per_second / (peak_flops_per_device * num_devices)
+
+
+def compute_dtype(args: Any = None, model: Any = None, device_type: str = "cpu") -> str:
+    """The dtype the matmuls run in: bf16/fp16 (autocast or weights), tf32 (CUDA fp32 with TF32), fp32."""
+    if args is not None and getattr(args, "bf16", False):
+        return "bf16"
+    if args is not None and getattr(args, "fp16", False):
+        return "fp16"
+    if model is not None:
+        import torch
+
+        for p in model.parameters():
+            if p.is_floating_point():
+                if p.dtype == torch.bfloat16:
+                    return "bf16"
+                if p.dtype == torch.float16:
+                    return "fp16"
+                break
+    if device_type == "cuda":
+        import torch
+
+        try:
+            if torch.get_float32_matmul_precision() != "highest":
+                return "tf32"
+        except Exception:  # pragma: no cover - API drift
+            pass
+    return "fp32"
+
+
+# -------------------------------------------------------------------------------------------- memory
+def _accelerator_module(device_type: str):
+    import torch
+
+    mod = getattr(torch, device_type, None) if device_type in ("cuda", "xpu", "mps") else None
+    if mod is not None and hasattr(mod, "max_memory_allocated"):
+        return mod
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+_PROCESS: dict = {}
+
+
+def current_rss_bytes() -> int:
+    try:
+        import psutil
+
+        pid = os.getpid()
+        proc = _PROCESS.get(pid) or _PROCESS.setdefault(pid, psutil.Process(pid))
+        return int(proc.memory_info().rss)
+    except Exception:  # pragma: no cover - psutil is a dependency, /proc is the fallback
+        try:
+            with open("/proc/self/statm") as fh:
+                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            return 0
+
+
+def memory_source(device_type: str) -> str:
+    return f"{device_type} caching allocator" if _accelerator_module(device_type) else "process peak RSS"
+
+
+def reset_peak_memory(device_type: str, device: Any = None) -> None:
+    mod = _accelerator_module(device_type)
+    if mod is not None and hasattr(mod, "reset_peak_memory_stats"):
+        try:
+            mod.reset_peak_memory_stats(device) if device is not None else mod.reset_peak_memory_stats()
+        except Exception:  # e.g. not initialised yet
+            pass
+
+
+def memory_snapshot(device_type: str, device: Any = None) -> dict:
+    """Allocator peaks on an accelerator (reserved = what nvidia-smi shows); peak RSS on CPU.
+
+    Host-side queries of allocator statistics: no device synchronisation.
+    """
+    mod = _accelerator_module(device_type)
+    if mod is not None:
+        args = () if device is None else (device,)
+        try:
+            return {
+                "peak_memory_allocated_bytes": int(mod.max_memory_allocated(*args)),
+                "peak_memory_reserved_bytes": int(getattr(mod, "max_memory_reserved", mod.max_memory_allocated)(*args)),
+                "memory_allocated_bytes": int(mod.memory_allocated(*args)),
+            }
+        except Exception:
+            pass
+    now = current_rss_bytes()  # before the peak, so that peak >= now
+    peak = max(peak_rss_bytes(), now)
+    return {"peak_memory_allocated_bytes": peak, "peak_memory_reserved_bytes": peak, "memory_allocated_bytes": now}
+
+
+# ------------------------------------------------------------------------------------------- compile
+def dynamo_snapshot() -> dict:
+    """Cumulative compile counters of this process (diff two snapshots for one run).
+
+    - ``compile_seconds``: dynamo's own timers: frame compiles (``_compile.compile_inner``, which
+      includes the backend/inductor) plus lazily compiled backward graphs (``backward._backward_impl``);
+    - ``frames``: frames dynamo compiled; ``recompiles``: compiles of a frame beyond its first;
+    - ``graph_breaks``: graph breaks met while tracing (``counters['graph_break']``).
+    """
+    out = {"compile_seconds": 0.0, "frames": 0, "recompiles": 0, "graph_breaks": 0}
+    mods = sys.modules
+    if "torch._dynamo" not in mods:  # dynamo never imported: nothing was compiled
+        return out
+    try:
+        from torch._dynamo import utils as dutils
+
+        times = getattr(dutils, "compilation_time_metrics", {}) or {}
+        fwd = times.get("_compile.compile_inner", [])
+        bwd = times.get("backward._backward_impl", [])
+        out["compile_seconds"] = float(sum(fwd) + sum(bwd))
+        counters = dutils.counters
+        out["frames"] = int(counters["frames"]["total"]) if "frames" in counters else 0
+        out["graph_breaks"] = int(sum(counters["graph_break"].values())) if "graph_break" in counters else 0
+    except Exception:  # pragma: no cover - internals moved
+        return out
+    try:
+        from torch._dynamo import convert_frame
+
+        per_frame = getattr(convert_frame, "FRAME_COMPILE_COUNTER", None)
+        if per_frame is not None:
+            out["recompiles"] = int(sum(max(0, c - 1) for c in per_frame.values()))
+    except Exception:  # pragma: no cover
+        pass
+    return out
+
+
+def compile_events() -> int:
+    """A cheap number that grows whenever dynamo compiles anything (forward frame or backward graph)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    try:
+        from torch._dynamo import utils as dutils
+
+        times = dutils.compilation_time_metrics
+        return (len(times.get("_compile.compile_inner", ())) + len(times.get("backward._backward_impl", ()))
+                + int(dutils.counters["frames"]["total"]))
+    except Exception:  # pragma: no cover
+        return 0
+
+
+def dynamo_diff(before: dict, after: dict) -> dict:
+    keys = ("compile_seconds", "frames", "recompiles", "graph_breaks")
+    return {k: (after.get(k, 0) - before.get(k, 0)) for k in keys}
+
+
+def compiled_regions(*models: Any) -> int:
+    """Modules that run compiled: ``torch.compile`` wrappers (OptimizedModule) and modules compiled in
+    place with ``nn.Module.compile()``; each counted once across ``models``."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # pragma: no cover
+        OptimizedModule = ()  # type: ignore[assignment]
+    seen: set[int] = set()
+    n = 0
+    for root in models:
+        if root is None or not hasattr(root, "modules"):
+            continue
+        for m in root.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            wrapped = bool(OptimizedModule) and isinstance(m, OptimizedModule)
+            if wrapped or getattr(m, "_compiled_call_impl", None) is not None:
+                n += 1
+    return n
+
+
+# --------------------------------------------------------------------------------------- step times
+def steady_state_step_time(step_times: Sequence[float], warmup: Iterable[int] = ()) -> tuple[float | None, int]:
+    """(median step time over steady-state steps, how many steps that is).
+
+    ``warmup`` holds indices into ``step_times`` to exclude (the first step, steps that compiled).
+    If every step is warm-up (a very short run), the median of all steps is returned.
+    """
+    if not step_times:
+        return None, 0
+    skip = set(warmup)
+    steady = [t for i, t in enumerate(step_times) if i not in skip]
+    if not steady:
+        return float(statistics.median(step_times)), 0
+    return float(statistics.median(steady)), len(steady)
+
+
+class BoundedSeries:
+    """Keeps at most ``max_len`` items of an append-only series by halving its resolution when full
+    (every other item is dropped and from then on only every 2nd, 4th, ... new item is kept)."""
+
+    def __init__(self, max_len: int = 1024) -> None:
+        self.max_len = max(2, int(max_len))
+        self.items: list = []
+        self.stride = 1
+        self._seen = 0
+
+    def append(self, item) -> None:
+        if self._seen % self.stride == 0:
+            self.items.append(item)
+            if len(self.items) > self.max_len:
+                self.items = self.items[::2]
+                self.stride *= 2
+        self._seen += 1
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+# -------------------------------------------------------------------------------------- environment
+def package_versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets", "wandb"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def environment(caps: Any = None) -> dict:
+    """Versions and the device, for the report's ``environment`` section."""
+    import platform
+
+    import torch
+
+    from . import __version__
+
+    env = {"hf_speedup": __version__, **package_versions(), "python": platform.python_version(),
+           "cuda": getattr(torch.version, "cuda", None), "platform": platform.platform(terse=True)}
+    if caps is not None:
+        env.update(device_type=caps.device_type, device_name=caps.device_name, device_count=caps.device_count,
+                   world_size=caps.world_size)
+    return env
