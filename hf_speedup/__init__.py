@@ -2,6 +2,7 @@
 
 from .config import SpeedupConfig, SpeedupConfigError
 from .features.memory import enable_expandable_segments, memory_env
+from .loading import load_model, load_tokenizer
 from .plan import build_plan
 from .presets import get_preset, list_presets, training_arguments
 from .trainer import SpeedupTrainer
@@ -14,6 +15,8 @@ __all__ = [
     "list_presets",
     "training_arguments",
     "build_plan",
+    "load_model",
+    "load_tokenizer",
     "memory_env",
     "enable_expandable_segments",
 ]

@@ -160,6 +160,9 @@ def training_arguments(preset: Any = "auto", **kwargs):
     for feature in FEATURES:
         decision = plan[feature.NAME]
         wanted = feature.training_args(decision, args)
+        # a feature that SpeedupTrainer applies to the model may still have a stock-Trainer equivalent
+        if hasattr(feature, "stock_trainer_args"):
+            wanted = {**wanted, **feature.stock_trainer_args(decision, args)}
         overrides.update({k: v for k, v in wanted.items() if k not in kwargs})  # the caller's values win
         if feature.NAME in _MODEL_LEVEL and decision.active and not wanted:
             logger.warning("hf_speedup: %s=%r changes the model itself and cannot be expressed in "

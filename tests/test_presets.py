@@ -81,3 +81,12 @@ def test_training_arguments_carries_what_args_can_express(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="hf_speedup"):
         training_arguments("baseline", output_dir=str(tmp_path), use_cpu=True)
     assert "cannot be expressed" not in caplog.text
+
+
+def test_training_arguments_expresses_checkpointing_for_the_stock_trainer(tmp_path):
+    from hf_speedup.compat import checkpointing_arg_names
+
+    flag, kwargs_name = checkpointing_arg_names()
+    args = training_arguments("memory", output_dir=str(tmp_path), use_cpu=True)
+    assert getattr(args, flag) is True
+    assert getattr(args, kwargs_name)["use_reentrant"] is False

@@ -1,23 +1,251 @@
-"""TODO."""
+"""LoRA / QLoRA through peft: adapters on every projection of the repeated block, base frozen.
+
+Target modules (``lora.target_modules``):
+
+- ``auto``: every Linear inside the repeated decoder block (for Llama q, k, v, o, gate, up, down —
+  the QLoRA paper's finding that adapting all projections matches full fine-tuning; peft's own
+  default mapping only adapts q and v). peft's mapping is used only where no block is found.
+- ``all-linear``: peft's own rule (every Linear but the output head); or an explicit list.
+
+QLoRA (``quantization: 4bit``) needs a 4-bit NF4 base, and quantization happens **at load time**
+(``hf_speedup.load_model`` or ``from_pretrained(quantization_config=BitsAndBytesConfig(...))``); a
+model handed to the trainer is never re-quantized. When it cannot be had — no bitsandbytes/CUDA
+here, or the model given is not quantized — the plan falls back to plain LoRA, records why in
+``fallbacks`` and logs a warning; with ``lora.strict: true`` it raises instead. We chose an explicit
+fallback over an error for the unquantized model so ``speedup="qlora"`` runs anywhere, the way it
+does on a CPU; ``strict`` is the switch for "I need the memory saving or nothing".
+
+A model that already is a PeftModel keeps its adapters (reported, never wrapped twice). A model
+loaded from a GGUF file is trainable once its stale quantizer flag is cleared (see
+:func:`hf_speedup.compat.clear_stale_gguf_quantizer`).
+"""
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+
+from torch import nn
+
+from .. import compat
+from ..blocks import find_blocks
+from ..config import SpeedupConfigError
+from ..model_info import quantization_of
 from ..plan import Decision, PlanContext
 
 NAME = "lora"
+logger = logging.getLogger("hf_speedup")
+
+_BITS = {"4bit": "qlora", "8bit": "lora-8bit"}
+_LOADERS = "hf_speedup.load_model(name_or_path, speedup=...)"
+
+
+# ----------------------------------------------------------------------------------------- decide
+def resolve_targets(ctx: PlanContext) -> tuple[list[str] | str, str]:
+    """(target modules, where they came from) for ``lora.target_modules``."""
+    asked = ctx.config.lora.target_modules
+    if asked != "auto":
+        return (list(asked) if isinstance(asked, (list, tuple)) else asked), "as configured"
+    info = ctx.model
+    if info is not None and info.linear_names:
+        return list(info.linear_names), f"every Linear in the repeated {info.block_class}"
+    if info is not None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_MAP
+
+        if info.model_type in PEFT_MAP:
+            return list(PEFT_MAP[info.model_type]), f"peft's default for model_type {info.model_type!r}"
+    return "all-linear", "peft's all-linear (every Linear but the output head)"
 
 
 def decide(ctx: PlanContext) -> Decision:
-    return Decision(NAME, requested=None, applied="off", reason="TODO")
+    s, info = ctx.config.lora, ctx.model
+    requested = "off" if not s.enabled else _BITS.get(s.quantization, "lora")
+    if info is not None and info.is_peft:
+        return Decision(NAME, requested, "existing adapters", settings={"existing": True},
+                        reason="the model already is a PeftModel: its adapters are trained as they are, "
+                               "not wrapped again")
+    if not s.enabled:
+        return Decision(NAME, requested, "off", reason=_off_reason(info))
+    targets, source = resolve_targets(ctx)
+    settings = {"r": s.r, "alpha": s.alpha, "dropout": s.dropout, "target_modules": targets, "quantization": None}
+    d = Decision(NAME, requested, "lora", settings=settings, reason=f"LoRA r={s.r}, alpha={s.alpha} on {_fmt(targets)} ({source})")
+    _decide_quantization(ctx, d)
+    if info is not None and info.quantization == "gguf":
+        d.settings["gguf"] = True
+        d.reason += "; GGUF base: dequantized at load, its stale quantizer flag is cleared so the Trainer accepts it"
+    return d
+
+
+def _off_reason(info) -> str:
+    if info is not None and info.quantization in ("4bit", "8bit"):
+        logger.warning("hf_speedup: the model is %s-quantized but lora is off; the Trainer only trains a "
+                       "quantized base through adapters", info.quantization)
+        return (f"off in the config; note: the base is {info.quantization}-quantized, which the Trainer can only "
+                "train through adapters (set lora.enabled: true)")
+    return "off in the config (full fine-tuning)"
+
+
+def _decide_quantization(ctx: PlanContext, d: Decision) -> None:
+    """QLoRA / 8-bit base, or the explicit fallback to plain LoRA (or an error when strict)."""
+    s, caps, info = ctx.config.lora, ctx.caps, ctx.model
+    have = info.quantization if info is not None and info.quantization in ("4bit", "8bit") else None
+    if have:  # already quantized at load: adapt what is there, whatever the config says
+        d.applied, d.settings["quantization"] = _BITS[have], have
+        d.reason += f"; base loaded in {have} (k-bit preparation, non-reentrant)"
+        if s.quantization and s.quantization != have:
+            d.fallbacks.append(f"{_BITS[s.quantization]} -> {_BITS[have]}: the model was loaded in {have}")
+        return
+    if not s.quantization:
+        return
+    problem = _quantization_problem(s.quantization, caps, info)
+    if problem is None:  # no model yet: load_model will quantize it
+        d.applied, d.settings["quantization"] = _BITS[s.quantization], s.quantization
+        d.reason += f"; base in {s.quantization} ({'NF4, double quantization' if s.quantization == '4bit' else 'LLM.int8'}) at load time"
+        return
+    field_problem, fix = problem
+    if s.strict:
+        raise SpeedupConfigError([
+            f"lora.quantization = {s.quantization!r} cannot be honoured: {field_problem}; allowed here: null "
+            f"(plain LoRA); fix: {fix}, or set lora.strict: false to fall back to plain LoRA"
+        ])
+    d.fallbacks.append(f"{_BITS[s.quantization]} -> lora: {field_problem}")
+    d.reason += f"; fell back from {_BITS[s.quantization]} to plain LoRA: {field_problem} ({fix})"
+    logger.warning("hf_speedup: %s -> plain LoRA: %s (%s)", _BITS[s.quantization], field_problem, fix)
+
+
+def _quantization_problem(bits: str, caps, info) -> tuple[str, str] | None:
+    """Why a k-bit base cannot be had, with the fix; None where it can (at load time)."""
+    if not caps.bitsandbytes:
+        return (caps.bitsandbytes_reason or "bitsandbytes is not usable here",
+                "run on a CUDA machine with bitsandbytes installed (pip install bitsandbytes)")
+    if info is not None:
+        what = "a GGUF model (dequantized to float)" if info.quantization == "gguf" else "not quantized"
+        return (f"the model passed in is {what}; a {bits} base must be quantized when it is loaded",
+                f"load it with {_LOADERS} (or from_pretrained(..., quantization_config=BitsAndBytesConfig(...)))")
+    return None
+
+
+def _fmt(targets) -> str:
+    return targets if isinstance(targets, str) else ", ".join(targets)
 
 
 def training_args(decision: Decision, args) -> dict:
     return {}
 
 
+# ----------------------------------------------------------------------------------------- apply
 def apply(decision: Decision, setup) -> None:
-    pass
+    """k-bit preparation (k-bit bases), then ``get_peft_model``; a no-op when off or already peft."""
+    if not decision.active:
+        return
+    model = setup.model
+    if model is None:
+        logger.warning("hf_speedup: LoRA not applied: no model (model_init is not supported)")
+        return
+    note = compat.clear_stale_gguf_quantizer(model)
+    if note:
+        decision.settings["gguf"] = note
+        logger.info("hf_speedup: %s", note)
+    if decision.settings.get("existing"):
+        return
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    targets = decision.settings["target_modules"]
+    _check_targets(model, targets)
+    if quantization_of(model) in ("4bit", "8bit"):
+        # Checkpointing is the checkpointing feature's job (applied next, per block, non-reentrant):
+        # peft's own switch would enable it on every block, reentrant, a second time.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    config = LoraConfig(r=decision.settings["r"], lora_alpha=decision.settings["alpha"],
+                        lora_dropout=decision.settings["dropout"], target_modules=targets, bias="none",
+                        task_type="CAUSAL_LM")
+    setup.model = get_peft_model(model, config)
+    logger.info("hf_speedup: LoRA (%s) on %s", decision.applied, _fmt(targets))
+
+
+def _check_targets(model, targets) -> None:
+    """Every configured name must match a Linear of this model (peft's own error names no fix)."""
+    if isinstance(targets, str):
+        return
+    names = [n for n, m in model.named_modules() if _is_linear(m)]
+    leaves = {n.split(".")[-1] for n in names}
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]  # peft's suffix rule
+    if missing:
+        raise SpeedupConfigError([
+            f"lora.target_modules = {list(targets)!r}: {missing} match no Linear layer of this "
+            f"{type(model).__name__}; allowed: {sorted(leaves)}, 'auto' or 'all-linear'; fix: set "
+            "lora.target_modules: auto"
+        ])
+
+
+def _is_linear(m) -> bool:
+    return isinstance(m, nn.Linear) or type(m).__name__ in ("Linear4bit", "Linear8bitLt")
+
+
+# ----------------------------------------------------------------------------------------- verify
+def lora_layers(model) -> dict[str, nn.Module]:
+    """Name -> peft LoRA layer (``lora.Linear`` and its bitsandbytes variants)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def unwrapped_targets(model, targets) -> list[str]:
+    """Linear layers inside the blocks that should carry an adapter but do not."""
+    from peft.tuners.lora import LoraLayer
+
+    out = []
+    for block in find_blocks(model):
+        wrapped = [n for n, m in block.named_modules() if isinstance(m, LoraLayer)]
+        for n, m in block.named_modules():
+            if not _is_linear(m) or any(n == w or n.startswith(w + ".") for w in wrapped):
+                continue
+            if targets == "all-linear" or any(n == t or n.endswith("." + t) for t in targets):
+                out.append(n)
+    return out
+
+
+def non_adapter_trainables(model) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n and "modules_to_save" not in n]
 
 
 def verify(decision: Decision, trainer) -> tuple[bool, str]:
-    return False, "TODO"
+    model = trainer.model
+    if not decision.active:
+        return False, "off"
+    if not hasattr(model, "peft_config"):
+        return False, f"the trained model is a {type(model).__name__}, not a PeftModel"
+    layers = lora_layers(model)
+    if decision.settings.get("existing"):
+        adapters = {k: sorted(getattr(v, "target_modules", None) or []) for k, v in model.peft_config.items()}
+        return bool(layers), f"existing adapters kept: {adapters}; {len(layers)} LoRA layers"
+    problems = _problems(model, decision, layers)
+    counts = Counter(n.split(".")[-1] for n in layers)
+    kinds = Counter(f"{type(m).__module__.split('.')[-2]}.{type(m).__name__}" for m in layers.values())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    summary = (f"{len(layers)} LoRA layers ({', '.join(f'{k}x{v}' for k, v in counts.items())}; "
+               f"{', '.join(kinds)}); only adapters train: {trainable:,} of {total:,} parameters")
+    if decision.settings.get("quantization") == "4bit":
+        summary += "; base weights Params4bit"
+    if problems:
+        return False, f"{summary}; but {'; '.join(problems)}"
+    return True, summary
+
+
+def _problems(model, decision: Decision, layers) -> list[str]:
+    out = []
+    if not layers:
+        out.append("no LoRA layer found")
+    missing = unwrapped_targets(model, decision.settings.get("target_modules", "all-linear"))
+    if missing:
+        out.append(f"{len(missing)} target layer(s) not wrapped, e.g. {missing[:3]}")
+    extra = non_adapter_trainables(model)
+    if extra:
+        out.append(f"{len(extra)} base parameter(s) still train, e.g. {extra[:3]}")
+    want = {"4bit": "Params4bit", "8bit": "Int8Params"}.get(decision.settings.get("quantization"))
+    if want:
+        wrong = [n for n, m in layers.items() if type(m.get_base_layer().weight).__name__ != want]
+        if wrong:
+            out.append(f"{len(wrong)} adapted layer(s) have no {want} base weight, e.g. {wrong[:3]}")
+    return out
