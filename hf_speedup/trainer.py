@@ -8,16 +8,17 @@ from typing import Any
 
 from transformers import Trainer, TrainingArguments
 
-from .compat import replace_args
+from .compat import clear_stale_gguf_quantizer, replace_args
 from .features import FEATURES, Setup
 from .hardware import probe
 from .plan import build_plan, resolve_config
 from .report import Report
+from .sharding import FsdpTrainerMixin
 
 logger = logging.getLogger("hf_speedup")
 
 
-class SpeedupTrainer(Trainer):
+class SpeedupTrainer(FsdpTrainerMixin, Trainer):
     """``transformers.Trainer`` plus ``speedup=`` (a preset name, a SpeedupConfig, a dict or a YAML path).
 
     The training loop is the stock one; accelerations are applied to the model, the collator and a
@@ -38,6 +39,8 @@ class SpeedupTrainer(Trainer):
             overrides.update(feature.training_args(self.speedup_plan[feature.NAME], training_args))
         for feature in FEATURES:
             feature.apply(self.speedup_plan[feature.NAME], setup)
+        if setup.model is not None and (note := clear_stale_gguf_quantizer(setup.model)):
+            logger.info("hf_speedup: %s", note)  # a dequantized GGUF model trains like any other (LoRA or not)
         bound.update(model=setup.model, args=replace_args(training_args, overrides))
         if setup.data_collator is not None:
             bound["data_collator"] = setup.data_collator
@@ -45,8 +48,26 @@ class SpeedupTrainer(Trainer):
         self.speedup_report = Report(self.speedup_plan)
         from .callback import SpeedupCallback
 
-        self.add_callback(SpeedupCallback(self))
+        # Measures and reports the run; ``training_step``/``log`` below feed it. Set it to None (and
+        # ``remove_callback`` it) to train without reporting.
+        self.speedup_callback = SpeedupCallback(self)
+        self.add_callback(self.speedup_callback)
         self.verify_speedup()
+
+    # ---- report hooks: the stock loop is unchanged, these only observe it --------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Stock step; the report counts the micro-batch's non-padding tokens first (on the device, no sync)."""
+        callback = getattr(self, "speedup_callback", None)
+        if callback is not None:
+            callback.count_batch(inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Stock log; training logs gain ``hf_speedup/*`` metrics, so every ``report_to`` tracker gets them."""
+        callback = getattr(self, "speedup_callback", None)
+        if callback is not None:
+            logs = callback.augment_logs(logs)
+        super().log(logs, start_time)
 
     def verify_speedup(self) -> None:
         """Re-check every feature on the live objects (model, optimizer, args)."""

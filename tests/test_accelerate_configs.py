@@ -1,0 +1,169 @@
+"""Every shipped accelerate YAML goes through accelerate's own loader and launcher argument pipeline.
+
+Loading alone only checks top-level keys, so each file is also fed to ``accelerate launch``'s parser and
+validation, turned into the environment the launcher gives the training processes, and the FSDP /
+dynamo / parallelism plugins are built from that environment: what a training process would really get.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_speedup.accelerate_config import SHIPPED, accelerate_config_dict, write_accelerate_config
+from hf_speedup.config import SpeedupConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDER = ROOT / "configs" / "accelerate"
+YAMLS = sorted(FOLDER.glob("*.yaml"))
+
+# name -> (distributed_type, num_processes, num_machines, regional compile, cpu offload)
+EXPECTED = {
+    "single_gpu_bf16": ("NO", 1, 1, True, None),
+    "multi_gpu_ddp": ("MULTI_GPU", 8, 1, True, None),
+    "fsdp2_full_shard": ("FSDP", 8, 1, True, False),
+    "fsdp2_offload": ("FSDP", 8, 1, False, True),
+    "fsdp2_hybrid_multinode": ("FSDP", 16, 2, True, False),
+}
+
+
+def test_the_shipped_files_are_exactly_the_documented_set():
+    assert {p.stem for p in YAMLS} == set(SHIPPED) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.stem)
+def test_shipped_yaml_loads_with_accelerates_loader(path):
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    cfg = load_config_from_file(str(path))
+    assert isinstance(cfg, ClusterConfig)
+    dtype, n, m, compiled, offload = EXPECTED[path.stem]
+    assert cfg.distributed_type.value == dtype
+    assert (cfg.num_processes, cfg.num_machines) == (n, m)
+    assert cfg.mixed_precision == "bf16" and cfg.use_cpu is False
+    assert bool(cfg.dynamo_config) == compiled
+    if dtype == "FSDP":
+        assert cfg.fsdp_config["fsdp_version"] == 2
+        assert cfg.fsdp_config["fsdp_offload_params"] is offload
+
+
+def _launch_env(path: Path, monkeypatch) -> tuple[object, dict]:
+    """``accelerate launch --config_file path train.py``: parsed, validated, turned into the child env."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
+
+    parser = launch_command_parser()
+    dests = {a.dest for a in parser._actions}
+    import yaml
+
+    raw = yaml.safe_load(path.read_text())
+    for section in ("fsdp_config", "dynamo_config", "parallelism_config"):
+        for key in raw.get(section) or {}:
+            assert key in dests, f"{path.name}: {section}.{key} is not an accelerate launch option (ignored silently)"
+    args = parser.parse_args(["--config_file", str(path), "train.py"])
+    _validate_launch_command(args)
+    if args.multi_gpu or args.use_fsdp:
+        args.main_process_port = 0  # a free port: the test must not depend on 29500 being unused
+        env = prepare_multi_gpu_env(args)
+    else:
+        _, env = prepare_simple_launcher_cmd_env(args)
+    for key, value in env.items():
+        if key.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_")):
+            monkeypatch.setenv(key, value)
+    return args, env
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: p.stem)
+def test_shipped_yaml_gives_the_processes_what_it_says(path, monkeypatch):
+    from accelerate.utils import TorchDynamoPlugin
+
+    dtype, n, m, compiled, offload = EXPECTED[path.stem]
+    args, env = _launch_env(path, monkeypatch)
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    dynamo = TorchDynamoPlugin()
+    want = ("INDUCTOR", True) if compiled else ("NO", False)
+    assert (dynamo.backend.value, dynamo.use_regional_compilation) == want
+    if dtype == "FSDP":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
+
+        assert env["ACCELERATE_USE_FSDP"] == "true"
+        plugin = FullyShardedDataParallelPlugin()  # from the env, as in a launched process
+        assert plugin.fsdp_version == 2
+        assert plugin.reshard_after_forward is True  # full shard
+        assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == offload
+        assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
+        assert plugin.cpu_ram_efficient_loading is True
+        assert plugin.auto_wrap_policy.__name__ == "transformer_auto_wrap_policy"
+    if m > 1:
+        from accelerate import ParallelismConfig
+
+        assert args.num_machines == 2 and args.nnodes == "2" and args.nproc_per_node == "8"
+        assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+        pc = ParallelismConfig()  # from the env
+        assert (pc.dp_replicate_size, pc.dp_shard_size) == (2, 8)  # HSDP: replicate across nodes, shard within
+    elif dtype != "NO":
+        assert args.nproc_per_node == str(n)
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_yaml_is_what_the_generator_writes(name, tmp_path):
+    """The files never drift from hf_speedup.accelerate_config (regenerate: write_shipped_configs())."""
+    from hf_speedup.presets import get_preset
+
+    preset, overrides, n, m = SHIPPED[name]
+    cfg = get_preset(preset).replace(**overrides) if overrides else get_preset(preset)
+    cfg.name = preset
+    out = write_accelerate_config(cfg, n, m, tmp_path / f"{name}.yaml", name=name)
+    assert out.read_text() == (FOLDER / f"{name}.yaml").read_text()
+
+
+def test_multinode_yaml_marks_its_placeholders():
+    text = (FOLDER / "fsdp2_hybrid_multinode.yaml").read_text()
+    assert "main_process_ip: MAIN_NODE_IP  # REPLACE" in text
+    assert "machine_rank: 0  # REPLACE on each node" in text
+    assert "--machine_rank 1 examples/finetune.py --speedup fsdp" in text
+
+
+def test_write_returns_text_or_path_and_loads(tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    text = write_accelerate_config("fsdp", num_processes=4)
+    assert "distributed_type: FSDP" in text and "num_processes: 4" in text
+    path = write_accelerate_config("fsdp-offload", 4, 2, tmp_path / "x.yaml", main_process_ip="10.1.2.3")
+    cfg = load_config_from_file(str(path))
+    assert (cfg.num_processes, cfg.num_machines, cfg.main_process_ip) == (4, 2, "10.1.2.3")
+    assert cfg.fsdp_config["fsdp_offload_params"] is True
+    assert cfg.fsdp_config["fsdp_activation_checkpointing"] is True  # the preset checkpoints: FSDP does it, once
+    assert cfg.dynamo_config == {}
+
+
+def test_non_fsdp_presets_give_ddp_or_single_process():
+    assert accelerate_config_dict("auto", 1)["distributed_type"] == "NO"
+    assert accelerate_config_dict("lora", 4)["distributed_type"] == "MULTI_GPU"
+    assert accelerate_config_dict("baseline", 4)["mixed_precision"] == "no"  # keeps the user's precision
+    assert "dynamo_config" not in accelerate_config_dict("baseline", 4)
+
+
+def test_no_shard_needs_fsdp1_through_accelerate():
+    from hf_speedup.presets import get_preset
+
+    d = accelerate_config_dict(get_preset("fsdp").replace(fsdp={"strategy": "no_shard"}), 8)
+    assert d["fsdp_config"]["fsdp_version"] == 1
+    assert d["fsdp_config"]["fsdp_reshard_after_forward"] == "NO_SHARD"
+    assert d["fsdp_config"]["fsdp_use_orig_params"] is True
+
+
+def test_bad_layout_is_one_error_listing_every_problem():
+    with pytest.raises(SpeedupConfigError, match=r"2 problem\(s\)") as err:
+        write_accelerate_config("fsdp", num_processes=0, num_machines=0)
+    assert "num_processes = 0 is not allowed" in str(err.value)
+    assert "num_machines = 0 is not allowed" in str(err.value)
+    with pytest.raises(SpeedupConfigError, match=r"num_processes = 10 is not a multiple of num_machines = 3"):
+        write_accelerate_config("fsdp", 10, 3)
+    with pytest.raises(SpeedupConfigError, match=r"mixed_precision = 'fp8' is not allowed"):
+        write_accelerate_config("fsdp", 8, mixed_precision="fp8")
+    with pytest.raises(SpeedupConfigError, match=r"speedup = 'nope' is not a known preset"):
+        write_accelerate_config("nope", 8)
