@@ -21,7 +21,7 @@ _PRESETS: dict[str, tuple[str, dict]] = {
     "auto": (
         "Safe wins for this machine: native bf16 where it is fast, TF32, fused AdamW, regional compile on GPUs, "
         "padding to a multiple of 8. No change to the math beyond precision; costs nothing to turn on.",
-        {"compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8}},
+        {"compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8, "pin_memory": True}},
     ),
     "fast": (
         "Maximum steps/s: auto plus regional compile on every device (max-autotune GEMMs, final norm + lm_head "
@@ -39,13 +39,13 @@ _PRESETS: dict[str, tuple[str, dict]] = {
             "checkpointing": {"enabled": True, "every_n_blocks": 1},
             "optimizer": {"name": "paged_adamw_8bit"},
             "memory": {"empty_cache_steps": 50, "expandable_segments": True},
-            "data": {"pad_to_multiple_of": 8},
+            "data": {"pad_to_multiple_of": 8, "pin_memory": True},
         },
     ),
     "lora": (
         "Parameter-efficient fine-tuning: LoRA adapters (r=16) on every attention and MLP projection, base frozen. "
         "Trade-off: adapters learn less than a full fine-tune on large domain shifts; optimizer state is tiny.",
-        {"lora": {"enabled": True}, "compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8}},
+        {"lora": {"enabled": True}, "compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8, "pin_memory": True}},
     ),
     "qlora": (
         "LoRA on a 4-bit NF4 base (bitsandbytes, CUDA) with checkpointing and paged 8-bit AdamW: the least memory. "
@@ -55,14 +55,14 @@ _PRESETS: dict[str, tuple[str, dict]] = {
             "checkpointing": {"enabled": True},
             "optimizer": {"name": "paged_adamw_8bit"},
             "memory": {"expandable_segments": True},
-            "data": {"pad_to_multiple_of": 8},
+            "data": {"pad_to_multiple_of": 8, "pin_memory": True},
         },
     ),
     "fsdp": (
         "Shard a full fine-tune across processes: FSDP2 full_shard, one unit per decoder block, mixed precision "
         "matched to the device, sharded checkpoints (accelerate on GPUs; hf_speedup's own fully_shard on CPU). "
         "Launch with torchrun/accelerate launch. Trade-off: all-gather/reduce-scatter traffic every step.",
-        {"fsdp": {"enabled": True}, "compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8}},
+        {"fsdp": {"enabled": True}, "compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8, "pin_memory": True}},
     ),
     "fsdp-offload": (
         "fsdp plus parameters, gradients and optimizer state offloaded to CPU RAM and activation checkpointing: "
@@ -70,14 +70,14 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         {
             "fsdp": {"enabled": True, "cpu_offload": True},
             "checkpointing": {"enabled": True},
-            "data": {"pad_to_multiple_of": 8},
+            "data": {"pad_to_multiple_of": 8, "pin_memory": True},
         },
     ),
     "fsdp-lora": (
         "LoRA adapters under FSDP2: the frozen base sharded across processes, adapters sharded with their "
         "blocks, tiny optimizer state. Trade-off: as lora, plus FSDP communication.",
         {"fsdp": {"enabled": True}, "lora": {"enabled": True}, "compile": {"enabled": "auto"},
-         "data": {"pad_to_multiple_of": 8}},
+         "data": {"pad_to_multiple_of": 8, "pin_memory": True}},
     ),
 }
 

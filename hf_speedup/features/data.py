@@ -45,6 +45,8 @@ def _loader(s, caps, args) -> tuple[dict, list[str], list[str]]:
         reasons.append(f"{s.num_workers} loader worker(s){note}")
     workers = s.num_workers if s.num_workers is not None else getattr(args, "dataloader_num_workers", 0) or 0
     if s.pin_memory is True and caps.device_type != "cuda":
+        # set it off explicitly: TrainingArguments pins by default, which only warns without a GPU
+        out["pin_memory"] = False
         fallbacks.append(f"pin_memory: pinned host memory only speeds host-to-GPU copies; off on {caps.device_type}")
     elif s.pin_memory is not None:
         out["pin_memory"] = s.pin_memory
