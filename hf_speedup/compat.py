@@ -369,3 +369,26 @@ def gguf_dequantize_config():
     except ImportError:
         return None
     return GgufConfig(dequantize=True)
+
+
+# --------------------------------------------------------------------------- oneDNN matmul routing
+# (appended for features/regional_compile.py)
+#
+# torch >= 2.9 reads ``torch.backends.mkldnn.matmul.fp32_precision`` ("ieee" | "bf16" | "tf32" | "none") on
+# every fp32 CPU matmul; "bf16" routes aten::mm through oneDNN's matmul (which may down-convert only where the
+# CPU has AMX). Older torch spelled it ``torch._C._set_cpu_allow_bf32`` or lacked it: then None.
+
+
+def mkldnn_matmul_precision_api():
+    """``(get, set)`` callables for oneDNN's fp32 matmul precision, or None where torch lacks the API."""
+    import torch
+
+    getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+    setter = getattr(torch._C, "_set_fp32_precision_setter", None)
+    if getter is None or setter is None or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        getter("mkldnn", "matmul")
+    except (RuntimeError, TypeError):
+        return None
+    return (lambda: getter("mkldnn", "matmul")), (lambda value: setter("mkldnn", "matmul", value))

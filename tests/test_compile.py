@@ -1,0 +1,356 @@
+"""Regional compile: plan decisions, in-place wiring, eager fallback, recompile counting, LoRA/checkpointing.
+
+Wiring tests use the ``eager``/``aot_eager`` backends (dynamo + AOTAutograd, no C++ build); one slow test
+runs inductor for real.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
+from hf_speedup import SpeedupTrainer, build_plan, get_preset
+from hf_speedup.features import Setup
+from hf_speedup.features import regional_compile as rc
+from hf_speedup.model_info import ModelInfo
+
+TINY_INFO = ModelInfo(architecture="LlamaForCausalLM", block_class="LlamaDecoderLayer", num_blocks=4)
+
+
+def compile_cfg(**compile):
+    return get_preset("baseline").replace(compile={"enabled": True, "backend": "eager", **compile})
+
+
+def compiled(model, **compile):
+    """Plan + apply regional compile on ``model`` (CPU capabilities), returning the decision.
+
+    ``use_cache`` off as the Trainer sets it (``args.use_cache``): a KV cache in training makes dynamo
+    specialise on each block's ``layer_idx``.
+    """
+    model.config.use_cache = False
+    plan = build_plan(compile_cfg(**compile), fake_caps(**CPU_NO_BF16), model)
+    decision = plan["compile"]
+    rc.apply(decision, Setup(model=model, args=None))
+    return decision
+
+
+def batch(tokenizer, lengths, vocab=64, seed=0):
+    """Right-padded causal-LM batch; labels = input_ids with padding ignored."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(4, vocab, (len(lengths), width), generator=g)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def loss_and_grads(model, inputs):
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_same_grads(a, b, rtol=1e-4, atol=1e-6):
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts with empty dynamo caches and counters (they are process-global)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------------- decide
+class TestDecide:
+    def test_auto_is_on_for_cuda_with_triton(self):
+        d = build_plan(get_preset("auto"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
+        assert d.applied == "blocks:inductor"
+        assert d.settings == {"backend": "inductor", "mode": None, "dynamic": None, "fullgraph": False,
+                              "regions": "blocks", "block_class": "LlamaDecoderLayer", "num_blocks": 4,
+                              "cpu_gemm": "default"}
+        assert "4 x LlamaDecoderLayer compiled in place" in d.reason
+
+    def test_auto_is_off_on_cpu_and_points_to_fast(self):
+        d = build_plan(get_preset("auto"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        assert d.applied == "off" and not d.active
+        assert "auto: off on cpu" in d.reason and "preset 'fast'" in d.reason
+
+    def test_explicit_true_compiles_on_cpu(self):
+        d = build_plan(compile_cfg(backend="inductor", mode="max-autotune", regions="blocks+head"),
+                       fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        assert d.applied == "blocks+head:inductor"
+        assert d.settings["mode"] == "max-autotune" and d.settings["regions"] == "blocks+head"
+        assert "final norm, lm_head and loss" in d.reason
+
+    def test_disabled(self):
+        d = build_plan(get_preset("baseline"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
+        assert d.applied == "off" and d.reason == "compile.enabled = false"
+
+    def test_no_compiler_falls_back_with_reason(self):
+        caps = fake_caps(**{**CPU_NO_BF16, "compile": False,
+                            "compile_reason": "inductor on CPU needs a C++ compiler (gcc/clang); none on PATH"})
+        d = build_plan(compile_cfg(), caps, TINY_INFO)["compile"]
+        assert d.applied == "off"
+        assert "needs a C++ compiler" in d.reason
+        assert d.fallbacks and d.fallbacks[0].startswith("compile: torch.compile is not usable here")
+
+    def test_no_block_class_is_off_with_reason(self):
+        info = ModelInfo(architecture="Odd", block_class=None, num_blocks=0)
+        d = build_plan(compile_cfg(), fake_caps(**CUDA_H100), info)["compile"]
+        assert d.applied == "off"
+        assert "no repeated decoder block found" in d.reason
+
+    def test_cudagraphs_backend_needs_cuda(self):
+        d = build_plan(compile_cfg(backend="cudagraphs"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        assert d.applied == "off" and "needs a CUDA device" in d.reason
+
+    def test_users_whole_model_torch_compile_is_left_alone(self, make_args):
+        args = make_args(torch_compile=True)
+        d = build_plan(compile_cfg(), fake_caps(**CUDA_H100), TINY_INFO, args)["compile"]
+        assert d.applied == "off"
+        assert "TrainingArguments.torch_compile=True" in d.reason and "compiled twice" in d.reason
+        assert rc.training_args(d, args) == {}
+
+    def test_static_shapes_without_padding_warns_about_recompiles(self):
+        d = build_plan(compile_cfg(dynamic=False), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
+        assert "each new sequence length recompiles" in d.reason
+        cfg = compile_cfg(dynamic=False).replace(data={"pad_to_multiple_of": 64})
+        assert "recompiles" not in build_plan(cfg, fake_caps(**CUDA_H100), TINY_INFO)["compile"].reason
+
+    def test_notes_lora_and_checkpointing_from_earlier_decisions(self, tiny_model):
+        from hf_speedup.plan import Decision, PlanContext
+
+        ctx = PlanContext(config=compile_cfg(), caps=fake_caps(**CUDA_H100), model=TINY_INFO, args=None)
+        ctx.decisions["lora"] = Decision("lora", True, "lora", "r=16")
+        ctx.decisions["fsdp"] = Decision("fsdp", True, "fsdp2:full_shard", "sharded")
+        d = rc.decide(ctx)
+        assert "peft LoRA layers" in d.reason and "FSDP hooks installed later still run" in d.reason
+
+    def test_invalid_settings_are_rejected_with_allowed_values(self):
+        from hf_speedup.config import SpeedupConfigError
+
+        with pytest.raises(SpeedupConfigError, match=r"compile.regions = 'head' is not allowed; allowed: 'blocks', "
+                                                      r"'blocks\+head'"):
+            get_preset("fast").replace(compile={"regions": "head"})
+
+
+# --------------------------------------------------------------------------------------------- apply
+class TestApply:
+    def test_blocks_compiled_in_place_and_outputs_unchanged(self, tiny_model, tokenizer):
+        reference = copy.deepcopy(tiny_model)
+        layers = list(tiny_model.model.layers)
+        decision = compiled(tiny_model)
+        assert list(tiny_model.model.layers) == layers  # same objects: no OptimizedModule wrappers
+        assert all(isinstance(b._compiled_call_impl, rc.GuardedRegion) for b in layers)
+        assert "_orig_mod" not in "".join(tiny_model.state_dict())
+        inputs = batch(tokenizer, [12, 9])
+        loss, grads = loss_and_grads(tiny_model, inputs)
+        ref_loss, ref_grads = loss_and_grads(reference, inputs)
+        torch.testing.assert_close(loss, ref_loss)
+        assert_same_grads(grads, ref_grads)
+        assert rc.compile_stats(tiny_model)["compiles"] >= 1
+        assert decision.settings["compiled_head"] == []
+
+    def test_apply_is_idempotent(self, tiny_model):
+        decision = compiled(tiny_model)
+        regions = [b._compiled_call_impl for b in tiny_model.model.layers]
+        rc.apply(decision, Setup(model=tiny_model, args=None))
+        assert [b._compiled_call_impl for b in tiny_model.model.layers] == regions
+        assert len(rc.guarded_regions(tiny_model)) == 4
+
+    def test_off_decision_is_a_no_op(self, tiny_model):
+        d = build_plan(get_preset("baseline"), fake_caps(**CPU_NO_BF16), tiny_model)["compile"]
+        rc.apply(d, Setup(model=tiny_model, args=None))
+        assert all(b._compiled_call_impl is None for b in tiny_model.model.layers)
+
+    def test_head_regions_compile_norm_lm_head_and_loss(self, tiny_model, tokenizer):
+        reference = copy.deepcopy(tiny_model)
+        decision = compiled(tiny_model, backend="aot_eager", regions="blocks+head")
+        assert decision.settings["compiled_head"] == ["final_norm", "lm_head", "loss"]
+        kinds = sorted(r.kind for r in rc.guarded_regions(tiny_model))
+        assert kinds == ["LlamaDecoderLayer"] * 4 + ["final_norm", "lm_head", "loss"]
+        inputs = batch(tokenizer, [10, 10])
+        loss, grads = loss_and_grads(tiny_model, inputs)
+        ref_loss, ref_grads = loss_and_grads(reference, inputs)
+        torch.testing.assert_close(loss, ref_loss)
+        assert_same_grads(grads, ref_grads)
+        stats = rc.compile_stats(tiny_model)
+        assert stats["compiles"] == 4 and stats["recompiles"] == 0  # the nn.Linear head really compiled too
+
+    def test_loss_int_token_count_does_not_recompile(self, tiny_model, tokenizer):
+        compiled(tiny_model, backend="aot_eager", regions="blocks+head")
+        inputs = batch(tokenizer, [10, 10])
+        for n in (17, 18, 19):
+            tiny_model(**inputs, num_items_in_batch=n).loss.backward()
+        loss_regions = [r for r in rc.guarded_regions(tiny_model) if r.kind == "loss"]
+        assert loss_regions[0].compiles == 1
+
+
+# --------------------------------------------------------------------------------------------- fallback
+def failing_backend(gm, example_inputs):
+    raise RuntimeError("boom: this backend cannot compile anything")
+
+
+def failing_backward_backend():
+    from torch._dynamo.backends.common import aot_autograd
+
+    def bw_fail(gm, example_inputs):
+        raise RuntimeError("boom in the backward compiler")
+
+    return aot_autograd(fw_compiler=lambda gm, ex: gm, bw_compiler=bw_fail)
+
+
+class TestFallback:
+    def test_failing_region_runs_eager_and_says_why(self, tiny_model, tokenizer, caplog):
+        reference = copy.deepcopy(tiny_model)
+        for i, block in enumerate(tiny_model.model.layers):
+            rc.compile_module(block, "LlamaDecoderLayer", f"LlamaDecoderLayer[{i}]", {"backend": failing_backend})
+        inputs = batch(tokenizer, [8, 8])
+        with caplog.at_level(logging.WARNING, logger="hf_speedup"):
+            loss, grads = loss_and_grads(tiny_model, inputs)
+        torch.testing.assert_close(loss, loss_and_grads(reference, inputs)[0])
+        stats = rc.compile_stats(tiny_model)
+        assert stats["compiled_regions"] == 0
+        assert set(stats["fallbacks"]) == {f"LlamaDecoderLayer[{i}]" for i in range(4)}
+        assert all("boom: this backend cannot compile anything" in r for r in stats["fallbacks"].values())
+        assert "runs eager from now on (training goes on)" in caplog.text
+
+    def test_backward_compile_failure_is_caught_in_the_forward(self, tiny_model, tokenizer):
+        block = tiny_model.model.layers[0]
+        rc.compile_module(block, "LlamaDecoderLayer", "LlamaDecoderLayer[0]", {"backend": failing_backward_backend()})
+        loss, _ = loss_and_grads(tiny_model, batch(tokenizer, [8, 8]))  # backward must not raise
+        assert torch.isfinite(loss)
+        assert "boom in the backward compiler" in block._compiled_call_impl.fallback_reason
+
+    def test_errors_of_the_input_are_not_swallowed(self, tiny_model):
+        compiled(tiny_model)
+        with pytest.raises(IndexError, match="index out of range"):
+            tiny_model(input_ids=torch.tensor([[10_000, 3]]))
+        assert rc.compile_stats(tiny_model)["fallbacks"] == {}
+
+    def test_trainer_goes_on_and_report_names_the_fallen_blocks(self, tiny_model, dataset, collator, make_args,
+                                                               monkeypatch):
+        monkeypatch.setattr(rc, "compile_kwargs_of", lambda d: {"backend": failing_backend})
+        trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=2), train_dataset=dataset,
+                                 data_collator=collator, speedup=compile_cfg())
+        trainer.train()
+        entry = trainer.speedup_report.to_dict()["plan"]["compile"]
+        assert entry["engaged"] is False
+        assert "0/4 LlamaDecoderLayer blocks compiled" in entry["reason"]
+        assert "fell back to eager: LlamaDecoderLayer[0]: BackendCompilerFailed" in entry["reason"]
+        assert trainer.state.global_step == 2
+
+
+# --------------------------------------------------------------------------------------------- recompiles
+class TestRecompiles:
+    def test_static_shapes_recompile_per_length_and_are_counted(self, tiny_model, tokenizer):
+        compiled(tiny_model, dynamic=False)
+        for n in (8, 12, 16):
+            tiny_model(**batch(tokenizer, [n, n]))
+        stats = rc.compile_stats(tiny_model)
+        assert (stats["compiles"], stats["recompiles"]) == (3, 2)
+
+    def test_padding_to_a_multiple_keeps_one_graph(self, tiny_model, tokenizer):
+        from hf_speedup.tiny import causal_lm_collator
+
+        compiled(tiny_model, dynamic=False)
+        collate = causal_lm_collator(tokenizer, pad_to_multiple_of=16)
+        for n in (5, 9, 13, 16):
+            rows = [{"input_ids": [1] + [5] * (n - 1)}, {"input_ids": [1, 5]}]
+            tiny_model(**collate(rows))
+        assert (rc.compile_stats(tiny_model)["compiles"], rc.compile_stats(tiny_model)["recompiles"]) == (1, 0)
+
+    def test_dynamic_shapes_recompile_once(self, tiny_model, tokenizer):
+        compiled(tiny_model, dynamic=None)  # automatic dynamic: static first, one dynamic graph after
+        for n in (8, 12, 16, 20):
+            tiny_model(**batch(tokenizer, [n, n]))
+        assert rc.compile_stats(tiny_model)["recompiles"] == 1
+
+
+# --------------------------------------------------------------------------------------------- composition
+class TestComposition:
+    def test_lora_blocks_compile_and_grads_match_eager(self, tiny_model, tokenizer):
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        peft_model = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                           init_lora_weights=False))
+        reference = copy.deepcopy(peft_model)
+        decision = compiled(peft_model, backend="aot_eager")
+        assert decision.settings["num_blocks"] == 4
+        blocks = rc.guarded_regions(peft_model)
+        assert len(blocks) == 4
+        inputs = batch(tokenizer, [12, 12])
+        loss, grads = loss_and_grads(peft_model, inputs)
+        ref_loss, ref_grads = loss_and_grads(reference, inputs)
+        torch.testing.assert_close(loss, ref_loss)
+        assert all("lora_" in n for n in grads)
+        assert_same_grads(grads, ref_grads)
+        assert rc.compile_stats(peft_model)["fallbacks"] == {}
+
+    def test_checkpointing_plus_compile_gives_eager_grads(self, tiny_model, tokenizer):
+        from hf_speedup.compat import enable_model_checkpointing
+
+        reference = copy.deepcopy(tiny_model)
+        enable_model_checkpointing(tiny_model, {"use_reentrant": False})
+        tiny_model.train()
+        assert all(b.gradient_checkpointing for b in tiny_model.model.layers)
+        compiled(tiny_model, backend="aot_eager")
+        inputs = batch(tokenizer, [12, 12])
+        loss, grads = loss_and_grads(tiny_model, inputs)
+        ref_loss, ref_grads = loss_and_grads(reference, inputs)
+        torch.testing.assert_close(loss, ref_loss)
+        assert_same_grads(grads, ref_grads)
+        assert rc.compile_stats(tiny_model)["fallbacks"] == {}
+
+
+# --------------------------------------------------------------------------------------------- verify
+class TestVerify:
+    def test_trainer_verifies_compiled_blocks(self, tiny_model, dataset, collator, make_args):
+        trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=2), train_dataset=dataset,
+                                 data_collator=collator, speedup=compile_cfg(backend="aot_eager"))
+        trainer.train()
+        entry = trainer.speedup_report.to_dict()["plan"]["compile"]
+        assert entry["engaged"] is True and entry["applied"] == "blocks:aot_eager"
+        assert "verified: 4/4 LlamaDecoderLayer blocks compiled (aot_eager, default)" in entry["reason"]
+
+    def test_verify_reports_off_decisions_as_not_engaged(self, tiny_model, dataset, collator, make_args):
+        trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
+                                 data_collator=collator, speedup="baseline")
+        engaged, reason = rc.verify(trainer.speedup_plan["compile"], trainer)
+        assert engaged is False and reason == "compile.enabled = false"
+
+    def test_verify_reads_the_live_model_not_the_plan(self, tiny_model, dataset, collator, make_args):
+        trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
+                                 data_collator=collator, speedup=compile_cfg())
+        tiny_model.model.layers[2]._compiled_call_impl = None  # someone undid one block
+        engaged, reason = rc.verify(trainer.speedup_plan["compile"], trainer)
+        assert engaged is False and reason.startswith("3/4 LlamaDecoderLayer blocks compiled")
+
+
+# --------------------------------------------------------------------------------------------- inductor
+@pytest.mark.slow
+def test_inductor_blocks_and_head_match_eager_loss_and_grads(tiny_model, tokenizer):
+    reference = copy.deepcopy(tiny_model)
+    decision = compiled(tiny_model, backend="inductor", dynamic=False, regions="blocks+head")
+    inputs = batch(tokenizer, [16, 11, 16, 7])
+    for _ in range(2):  # second call runs the cached kernels
+        loss, grads = loss_and_grads(tiny_model, inputs)
+    ref_loss, ref_grads = loss_and_grads(reference, inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert_same_grads(grads, ref_grads, rtol=1e-3, atol=1e-5)
+    stats = rc.compile_stats(tiny_model)
+    assert stats["fallbacks"] == {} and stats["recompiles"] == 0 and stats["compiled_regions"] == 7
+    assert decision.applied == "blocks+head:inductor"
