@@ -340,11 +340,71 @@ class TestVerify:
         assert engaged is False and reason.startswith("3/4 LlamaDecoderLayer blocks compiled")
 
 
+# --------------------------------------------------------------------------------------------- CPU GEMMs
+class TestCpuGemm:
+    def test_fast_preset_autotunes_gemms_on_cpu_only(self):
+        cpu = build_plan(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        assert cpu.settings["cpu_gemm"] == "autotune" and "MKL or oneDNN" in cpu.reason
+        cuda = build_plan(get_preset("fast"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
+        assert cuda.settings["cpu_gemm"] == "default" and "oneDNN" not in cuda.reason
+        default_mode = build_plan(compile_cfg(backend="inductor"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        assert default_mode.settings["cpu_gemm"] == "default"
+
+    def test_compile_kwargs_carry_the_mode_as_options_plus_the_pass(self):
+        d = build_plan(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        kw = rc.compile_kwargs_of(d)
+        assert "mode" not in kw and kw["options"]["max_autotune"] is True
+        assert kw["options"]["post_grad_custom_post_pass"] is rc.cpu_gemm_pass()
+        assert rc.cpu_gemm_pass().uuid() == rc.cpu_gemm_pass().uuid()  # stable key: inductor's cache works
+
+    def test_onednn_mm_op_matches_mm(self):
+        op = rc._register_onednn_mm()
+        a, b = torch.randn(64, 32), torch.randn(48, 32).t()  # a transposed operand, as in a linear
+        torch.testing.assert_close(op(a, b), a @ b, rtol=1e-5, atol=1e-5)
+        assert op(a.to("meta"), b.to("meta")).shape == (64, 48)
+
+    def test_onednn_is_refused_where_it_would_round_to_bf16(self, monkeypatch):
+        monkeypatch.setattr(rc, "_onednn_mm", lambda a, b: torch.mm(a.bfloat16().float(), b.bfloat16().float()))
+        ok, why = rc.onednn_fp32_ok()
+        assert not ok and "would round fp32 GEMMs to bf16" in why
+
+    def test_no_precision_api_keeps_default_blas_and_says_why(self, monkeypatch):
+        import hf_speedup.compat as compat
+
+        monkeypatch.setattr(compat, "mkldnn_matmul_precision_api", lambda: None)
+        d = build_plan(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        rc._settle_cpu_gemm(d)
+        assert d.settings["cpu_gemm"] == "default"
+        assert d.fallbacks == [f"cpu_gemm: torch {torch.__version__} cannot route fp32 matmuls to oneDNN (no "
+                               "fp32_precision API); GEMMs stay on the default BLAS"]
+        assert "options" not in rc.compile_kwargs_of(d)
+
+    def test_pass_swaps_only_the_gemms_where_onednn_won(self, monkeypatch):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        monkeypatch.setattr(rc, "GEMM_CHOICES", {})
+        monkeypatch.setattr(rc, "_benchmark_gemm", lambda key: {"choice": "onednn" if key[0][0][0] == 64 else "default"})
+        graph = torch.fx.Graph()
+        with FakeTensorMode():
+            vals = {"a": torch.empty(64, 32), "b": torch.empty(32, 16), "c": torch.empty(8, 32)}
+        nodes = {}
+        for name, val in vals.items():
+            nodes[name] = graph.placeholder(name)
+            nodes[name].meta["val"] = val
+        big = graph.call_function(torch.ops.aten.mm.default, (nodes["a"], nodes["b"]))
+        small = graph.call_function(torch.ops.aten.mm.default, (nodes["c"], nodes["b"]))
+        graph.output((big, small))
+        rc.choose_cpu_gemms(graph)
+        assert big.target is torch.ops.hf_speedup.onednn_mm.default
+        assert small.target is torch.ops.aten.mm.default
+
+
 # --------------------------------------------------------------------------------------------- inductor
 @pytest.mark.slow
 def test_inductor_blocks_and_head_match_eager_loss_and_grads(tiny_model, tokenizer):
+    """The fast preset's compile settings for real: inductor, max-autotune (CPU GEMM choice), static shapes."""
     reference = copy.deepcopy(tiny_model)
-    decision = compiled(tiny_model, backend="inductor", dynamic=False, regions="blocks+head")
+    decision = compiled(tiny_model, backend="inductor", mode="max-autotune", dynamic=False, regions="blocks+head")
     inputs = batch(tokenizer, [16, 11, 16, 7])
     for _ in range(2):  # second call runs the cached kernels
         loss, grads = loss_and_grads(tiny_model, inputs)
@@ -354,3 +414,5 @@ def test_inductor_blocks_and_head_match_eager_loss_and_grads(tiny_model, tokeniz
     stats = rc.compile_stats(tiny_model)
     assert stats["fallbacks"] == {} and stats["recompiles"] == 0 and stats["compiled_regions"] == 7
     assert decision.applied == "blocks+head:inductor"
+    if decision.settings["cpu_gemm"] == "autotune":  # oneDNN computes fp32 on this CPU: GEMMs were autotuned
+        assert sum(rc.GEMM_NODES.values()) > 0 or "cache" in rc.cpu_gemm_summary()

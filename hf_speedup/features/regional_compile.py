@@ -14,6 +14,10 @@ inside the guarded call too, not later in ``loss.backward()`` where no fallback 
 
 Region statistics (compiles, recompiles, compile seconds, fallbacks) are kept on each region and
 summed by :func:`compile_stats`.
+
+``mode='max-autotune'`` on CPU also autotunes the GEMM library per shape (MKL or oneDNN, see "CPU GEMMs"
+below): inductor's own CPU GEMM templates only serve frozen (inference) weights, and the fp32 GEMMs are
+most of a small model's training step.
 """
 
 from __future__ import annotations
@@ -274,8 +278,6 @@ def compile_kwargs_of(decision: Decision) -> dict:
 
         options = dict(torch._inductor.list_mode_options(s["mode"] or "default", s["dynamic"]))
         options["post_grad_custom_post_pass"] = cpu_gemm_pass()
-        if FUSE_SAME_INPUT_LINEARS:
-            options["pre_grad_custom_pass"] = linear_fusion_pass()
         kw.pop("mode", None)
         kw["options"] = options
     return kw
@@ -319,7 +321,8 @@ def apply(decision: Decision, setup) -> None:
 
 ONEDNN_MIN_GAIN = 0.05  # oneDNN must beat the default BLAS by 5% on a shape to be chosen
 GEMM_CHOICES: dict[tuple, dict] = {}  # (sizes, strides) -> {"choice", "default_s", "onednn_s"}
-GEMM_NODES = {"onednn": 0, "default": 0}
+GEMM_NODES = {"onednn": 0, "default": 0}  # mm nodes given to each library by the pass (this process)
+GEMM_CALLS = [0]  # hf_speedup::onednn_mm calls run (this process)
 _OP = None
 _PASS = None
 
@@ -351,6 +354,7 @@ def _onednn_mm(a, b):
 
         _PRECISION_API = mkldnn_matmul_precision_api()
     get, set_ = _PRECISION_API
+    GEMM_CALLS[0] += 1
     previous = get()
     set_("bf16")
     try:
@@ -371,7 +375,10 @@ def onednn_fp32_ok() -> tuple[bool, str]:
     a, b = torch.randn(256, 512, generator=g), torch.randn(512, 256, generator=g)
     exact = a.double() @ b.double()
     err_default = (torch.mm(a, b).double() - exact).abs().max().item()
-    err_onednn = (_onednn_mm(a, b).double() - exact).abs().max().item()
+    try:
+        err_onednn = (_onednn_mm(a, b).double() - exact).abs().max().item()
+    except RuntimeError as exc:  # e.g. a CPU/oneDNN build that refuses the precision setting
+        return False, f"oneDNN matmul could not run here ({_first_line(exc)})"
     if err_onednn > 4 * err_default + 1e-6:
         return False, (f"oneDNN would round fp32 GEMMs to bf16 on this CPU (error {err_onednn:.1e} vs "
                        f"{err_default:.1e}); use precision bf16 instead")
@@ -447,106 +454,11 @@ def _timed(fn, a, b) -> float:
     return time.perf_counter() - start
 
 
-# Projections reading the same input (q/k/v, gate/up) become one GEMM on concatenated weights: the forward,
-# the input gradient (one GEMM instead of three plus two adds) and the weight gradient all get one larger
-# GEMM, which both BLAS libraries run more efficiently than several small ones (measured -3% step time).
-FUSE_SAME_INPUT_LINEARS = True
-LINEAR_FUSIONS = {"groups": 0, "linears": 0}
-_FUSION_PASS = None
-
-
-def linear_fusion_pass():
-    """Pre-grad inductor pass (one instance: stable cache key) fusing linears that share an input."""
-    global _FUSION_PASS
-    if _FUSION_PASS is None:
-        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-        class SameInputLinearFusion(CustomGraphPass):
-            """``linear(x, w1), linear(x, w2)`` -> ``split(linear(x, cat([w1, w2])))``."""
-
-            def __call__(self, graph) -> None:
-                fuse_same_input_linears(graph)
-
-            def uuid(self):
-                return get_hash_for_files((__file__,))
-
-        _FUSION_PASS = SameInputLinearFusion()
-    return _FUSION_PASS
-
-
-def fuse_same_input_linears(graph) -> int:
-    """Fuse each group of linears with the same input (and all or no biases); returns groups fused."""
-    import torch
-
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    groups: dict[tuple, list] = {}
-    for node in graph.nodes:
-        parts = _linear_parts(node)
-        if parts is not None:
-            x, _, bias = parts
-            groups.setdefault((x, bias is None), []).append(node)
-    fused = 0
-    for nodes in groups.values():
-        first = min(order[n] for n in nodes)
-        defined_before = all(order.get(a, -1) < first for n in nodes for a in _linear_parts(n)[1:] if a is not None)
-        if len(nodes) < 2 or not defined_before:
-            continue
-        _fuse_group(graph, nodes, torch)
-        fused += 1
-        LINEAR_FUSIONS["groups"] += 1
-        LINEAR_FUSIONS["linears"] += len(nodes)
-    return fused
-
-
-def _linear_parts(node):
-    """(input, weight, bias) nodes of a fusable 2-D-weight float linear call, else None."""
-    import torch
-
-    if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
-        return None
-    args = list(node.args) + [None] * (3 - len(node.args))
-    x, w, b = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
-    vals = [getattr(a, "meta", {}).get("example_value") for a in (x, w, node)]
-    if not all(isinstance(v, torch.Tensor) for v in vals) or vals[1].dim() != 2 or not vals[1].is_floating_point():
-        return None
-    if b is not None and not isinstance(getattr(b, "meta", {}).get("example_value"), torch.Tensor):
-        return None
-    return x, w, b
-
-
-def _fuse_group(graph, nodes: list, torch) -> None:
-    import operator
-
-    x = _linear_parts(nodes[0])[0]
-    weights = [_linear_parts(n)[1] for n in nodes]
-    biases = [_linear_parts(n)[2] for n in nodes]
-    sizes = [int(w.meta["example_value"].shape[0]) for w in weights]
-    with graph.inserting_before(nodes[0]):
-        w_cat = graph.call_function(torch.cat, (weights,), {"dim": 0})
-        w_cat.meta["example_value"] = torch.cat([w.meta["example_value"] for w in weights], dim=0)
-        b_cat = None
-        if biases[0] is not None:
-            b_cat = graph.call_function(torch.cat, (biases,), {"dim": 0})
-            b_cat.meta["example_value"] = torch.cat([b.meta["example_value"] for b in biases], dim=0)
-        y = graph.call_function(torch._C._nn.linear, (x, w_cat, b_cat))
-        y.meta["example_value"] = torch._C._nn.linear(x.meta["example_value"], w_cat.meta["example_value"],
-                                                      None if b_cat is None else b_cat.meta["example_value"])
-        split = graph.call_function(torch.split, (y, sizes), {"dim": -1})
-        split.meta["example_value"] = torch.split(y.meta["example_value"], sizes, dim=-1)
-        for i, node in enumerate(nodes):
-            part = graph.call_function(operator.getitem, (split, i))
-            part.meta.update(node.meta)
-            part.meta["example_value"] = split.meta["example_value"][i]
-            node.replace_all_uses_with(part)
-    for node in nodes:
-        graph.erase_node(node)
-
-
 def cpu_gemm_summary() -> str:
     n = GEMM_NODES["onednn"] + GEMM_NODES["default"]
-    if not n:
-        return "GEMM choices came from inductor's cache (made by an earlier run)"
-    return f"oneDNN runs {GEMM_NODES['onednn']}/{n} GEMMs (autotuned per shape vs the default BLAS)"
+    chosen = (f"oneDNN chosen for {GEMM_NODES['onednn']}/{n} GEMM nodes (autotuned per shape vs the default BLAS)"
+              if n else "GEMM choices loaded from inductor's cache (autotuned by an earlier run)")
+    return f"{chosen}, {GEMM_CALLS[0]} oneDNN GEMM calls run so far"
 
 
 def _cpu_name() -> str:
@@ -603,7 +515,10 @@ def verify(decision: Decision, trainer) -> tuple[bool, str]:
     if s.get("cpu_gemm") == "autotune":
         text += f"; {cpu_gemm_summary()}"
     limit = _recompile_limit()
-    hot = sorted({r.kind for r in regions if limit and r.compiles >= limit})
+    per_kind: dict[str, int] = {}
+    for r in regions:
+        per_kind[r.kind] = per_kind.get(r.kind, 0) + r.compiles
+    hot = sorted(k for k, n in per_kind.items() if limit and n >= limit)
     if hot:
         text += f"; {', '.join(hot)} hit torch._dynamo recompile_limit={limit} (new shapes run eager): pad to a multiple"
     return bool(ok) and len(ok) == s["num_blocks"] and not fallen, text
