@@ -1,6 +1,6 @@
-"""Steady-state speed of the ``fast`` preset vs the stock Trainer, side by side in one process.
+"""Steady-state speed of the ``fast`` preset vs the stock Trainer, side by side in one run.
 
-    python benchmarks/bench_fast.py                          # stock vs fast, 8 interleaved rounds
+    python benchmarks/bench_fast.py                          # stock vs fast, 60 lock-stepped steps each
     python benchmarks/bench_fast.py --cold-start             # + first-step time of each, fresh processes
     python benchmarks/bench_fast.py --cold-start --stock-compile   # + stock TrainingArguments(torch_compile=True)
     python benchmarks/bench_fast.py --variants stock,fast,fast:compile.mode=None   # ablations
@@ -8,10 +8,11 @@
 Model and data: the embedded tiny Llama (``hf_speedup.tiny`` default sizes: 4 blocks, hidden 256, vocab 512),
 fp32, batch 8 x 128 tokens (``make_dataset(tok, pack_to=128)``), the same collator for every variant.
 
-Steady state: every variant is a real Trainer; each round calls ``train()`` on each variant in turn
-(round-robin, so machine drift hits all alike), and the time between consecutive step ends is recorded
-after ``--warmup`` steps of each call. Reported per variant: median step time over all rounds, and the
-median over rounds of the per-round ratio to ``stock`` (the robust number on a shared machine).
+Steady state: every variant is a real Trainer in its own worker process (so process-wide settings, such
+as the CPU allocator, belong to the variant that asked for them). The workers run in lock step: step i of
+each variant runs back to back while the others wait, so drift of this shared machine hits all alike.
+Reported per variant: the median step time, and the median over steps of the per-step ratio to the first
+variant (with its interquartile range): the robust number on a shared machine.
 
 Cold start: each variant in a fresh process with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` under
 /tmp), from ``train()`` to the end of the first step; compile cost is included, warm caches are not.
@@ -25,6 +26,7 @@ import io
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
@@ -42,9 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--variants", default="stock,fast",
                    help="comma list: 'stock', 'stock-compile' (TrainingArguments.torch_compile=True), a preset "
                         "name, or PRESET:section.field=value[:...] (e.g. fast:compile.mode=None)")
-    p.add_argument("--rounds", type=int, default=8, help="interleaved rounds (train() calls per variant)")
-    p.add_argument("--steps", type=int, default=8, help="measured steps per round")
-    p.add_argument("--warmup", type=int, default=2, help="steps excluded at the start of each train() call")
+    p.add_argument("--steps", type=int, default=60, help="measured steps per variant (lock-stepped)")
+    p.add_argument("--warmup", type=int, default=5, help="steps run before measuring (compile happens here)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -58,11 +59,13 @@ def parse_args(argv=None):
 
 
 # --------------------------------------------------------------------------------------------- setup
-def data(seq_len: int):
+def data(seq_len: int, batch_size: int):
+    """Packed rows, cut to a whole number of batches: every variant sees only full batches (same shapes)."""
     from hf_speedup.tiny import causal_lm_collator, char_tokenizer, make_dataset
 
     tok = char_tokenizer()
-    return make_dataset(tok, n=2048, seed=0, pack_to=seq_len), causal_lm_collator(tok)
+    rows = make_dataset(tok, n=2048, seed=0, pack_to=seq_len)
+    return rows.select(range(len(rows) - len(rows) % batch_size)), causal_lm_collator(tok)
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
@@ -78,54 +81,56 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     return name, sections
 
 
-class StepClock:
-    """Host-clock time at every step end (the same callback in every variant)."""
+class Lockstep:
+    """Callback that runs one step per "go" from the parent and answers with that step's seconds.
 
-    def __init__(self):
+    Time runs from the "go" to the end of ``on_step_end``: the rest of the previous loop iteration
+    (logging/saving checks), fetching and collating the batch, forward, backward, optimizer step.
+    """
+
+    def __init__(self, conn):
         from transformers import TrainerCallback
 
-        clock = self
-        self.stamps: list[float] = []
-        self.started = 0.0
+        outer = self
 
         class _CB(TrainerCallback):
             def on_train_begin(self, args, state, control, **kw):
-                clock.stamps = []
-                clock.started = time.perf_counter()
+                outer.wait()
 
             def on_step_end(self, args, state, control, **kw):
-                clock.stamps.append(time.perf_counter())
+                r = resource.getrusage(resource.RUSAGE_SELF)
+                conn.send((time.perf_counter() - outer.go, r.ru_minflt - outer.faults))
+                outer.wait()
 
-        self.callback = _CB()
+        self.conn, self.callback, self.go, self.faults = conn, _CB(), 0.0, 0
 
-    def intervals(self, skip: int) -> list[float]:
-        s = self.stamps
-        return [b - a for a, b in zip(s[skip:], s[skip + 1:])]
+    def wait(self) -> None:
+        self.conn.recv()
+        self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        self.go = time.perf_counter()
 
 
-def build(spec: str, dataset, collator, args_kw: dict, out: str):
-    """One Trainer per variant, each on its own freshly built (identical) model."""
+def build(spec: str, dataset, collator, args_kw: dict, out: str, callbacks=()):
+    """A Trainer for one variant on a freshly built (identical) model."""
     from transformers import Trainer, TrainingArguments
 
     from hf_speedup import SpeedupTrainer, get_preset
     from hf_speedup.tiny import tiny_llama
 
-    clock = StepClock()
     model = tiny_llama(seed=0)
     name, edits = parse_variant(spec)
     args = TrainingArguments(output_dir=os.path.join(out, spec.replace(":", "_").replace("=", "-")),
                              torch_compile=(name == "stock-compile"), **args_kw)
-    common = dict(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=[clock.callback])
+    common = dict(model=model, args=args, train_dataset=dataset, data_collator=collator, callbacks=list(callbacks))
     if name in ("stock", "stock-compile"):
-        return Trainer(**common), clock
+        return Trainer(**common)
     cfg = get_preset(name).replace(**edits) if edits else name
-    return SpeedupTrainer(**common, speedup=cfg), clock
+    return SpeedupTrainer(**common, speedup=cfg)
 
 
-def training_kwargs(a) -> dict:
-    return dict(per_device_train_batch_size=a.batch_size, max_steps=a.warmup + a.steps + 1, use_cpu=True,
-                report_to=[], save_strategy="no", logging_steps=10**6, disable_tqdm=True, seed=0,
-                dataloader_num_workers=0)
+def training_kwargs(a, steps: int) -> dict:
+    return dict(per_device_train_batch_size=a.batch_size, max_steps=steps, use_cpu=True, report_to=[],
+                save_strategy="no", logging_steps=10**6, disable_tqdm=True, seed=0, dataloader_num_workers=0)
 
 
 def quietly(fn):
@@ -135,41 +140,67 @@ def quietly(fn):
 
 
 # --------------------------------------------------------------------------------------------- measure
+def worker(spec: str, a, conn) -> None:
+    """One variant in its own process (process-wide settings such as the CPU allocator stay its own)."""
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    dataset, collator = data(a.seq_len, a.batch_size)
+    clock = Lockstep(conn)
+    trainer = build(spec, dataset, collator, training_kwargs(a, a.warmup + a.steps), a.output_dir, [clock.callback])
+    quietly(trainer.train)
+    info = {}
+    if hasattr(trainer, "speedup_report"):
+        plan = trainer.speedup_report.to_dict()["plan"]
+        info["plan"] = {k: f"{v['applied']} (engaged={v['engaged']})" for k, v in plan.items()}
+        info["compile_reason"] = plan["compile"]["reason"]
+        info["allocator_reason"] = plan["empty_cache"]["reason"]
+    conn.send(("done", info))
+
+
 def steady_state(a) -> dict:
-    dataset, collator = data(a.seq_len)
+    """Lock-stepped worker processes: step i of every variant runs back to back, alone on the machine."""
+    import multiprocessing as mp
+
     specs = a.variants.split(",")
-    runs = {s: build(s, dataset, collator, training_kwargs(a), a.output_dir) for s in specs}
-    first = {}
-    for s, (trainer, clock) in runs.items():  # round 0: compiles happen here, not measured
-        t0 = time.perf_counter()
-        quietly(trainer.train)
-        first[s] = clock.stamps[0] - clock.started if clock.stamps else float("nan")
-        print(f"  warm-up {s}: first step {first[s]:.1f}s, whole call {time.perf_counter() - t0:.1f}s", flush=True)
-    per_round: dict[str, list[float]] = {s: [] for s in specs}
-    every: dict[str, list[float]] = {s: [] for s in specs}
-    for r in range(a.rounds):
-        for s, (trainer, clock) in runs.items():
-            quietly(trainer.train)
-            iv = clock.intervals(a.warmup)
-            per_round[s].append(statistics.median(iv))
-            every[s].extend(iv)
-        print(f"  round {r + 1}/{a.rounds}: " + "  ".join(f"{s} {per_round[s][-1] * 1e3:.0f} ms" for s in specs),
-              flush=True)
+    ctx = mp.get_context("spawn")
+    conns, procs = {}, {}
+    for s in specs:
+        parent, child = ctx.Pipe()
+        procs[s] = ctx.Process(target=worker, args=(s, a, child), daemon=True)
+        procs[s].start()
+        conns[s] = parent
+    times: dict[str, list[float]] = {s: [] for s in specs}
+    faults: dict[str, list[int]] = {s: [] for s in specs}
+    for i in range(a.warmup + a.steps):
+        for s in specs:
+            conns[s].send("go")
+            seconds, minflt = conns[s].recv()
+            times[s].append(seconds)
+            faults[s].append(minflt)
+        if i < a.warmup:
+            print(f"  warm-up step {i + 1}: " + "  ".join(f"{s} {times[s][-1]:.1f}s" for s in specs), flush=True)
+        elif (i - a.warmup + 1) % 10 == 0:
+            print(f"  step {i - a.warmup + 1}/{a.steps}: "
+                  + "  ".join(f"{s} {1e3 * statistics.median(times[s][a.warmup:]):.0f} ms" for s in specs), flush=True)
+    info = {}
+    for s in specs:
+        conns[s].send("go")
+        _, info[s] = conns[s].recv()
+        procs[s].join(timeout=60)
     base = specs[0]
     result = {}
     for s in specs:
-        ratios = [b / x for b, x in zip(per_round[base], per_round[s])]
-        ts = sorted(every[s])
+        steady, ts = times[s][a.warmup:], sorted(times[s][a.warmup:])
+        ratios = sorted(b / x for b, x in zip(times[base][a.warmup:], steady))
         result[s] = dict(step_ms_median=1e3 * statistics.median(ts), step_ms_p10=1e3 * ts[len(ts) // 10],
                          step_ms_p90=1e3 * ts[(9 * len(ts)) // 10], steps_per_s=1 / statistics.median(ts),
-                         speedup_median_of_round_ratios=statistics.median(ratios),
-                         speedup_of_medians=statistics.median(every[base]) / statistics.median(ts),
-                         round_ratios=ratios, first_step_s_in_process=first[s])
-        trainer = runs[s][0]
-        if hasattr(trainer, "speedup_report"):
-            result[s]["plan"] = {k: f"{v['applied']} (engaged={v['engaged']})"
-                                 for k, v in trainer.speedup_report.to_dict()["plan"].items()}
-            result[s]["compile_reason"] = trainer.speedup_report.to_dict()["plan"]["compile"]["reason"]
+                         speedup_median_of_step_ratios=statistics.median(ratios),
+                         speedup_ratio_p25_p75=(ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]),
+                         speedup_of_medians=statistics.median(times[base][a.warmup:]) / statistics.median(ts),
+                         page_faults_per_step=statistics.median(faults[s][a.warmup:]),
+                         first_step_s_in_process=times[s][0], **info[s])
     return result
 
 
@@ -179,11 +210,21 @@ def first_step_child(spec: str, a) -> None:
         import torch
 
         torch.set_num_threads(a.threads)
-    dataset, collator = data(a.seq_len)
-    kw = training_kwargs(a) | {"max_steps": 1}
-    trainer, clock = build(spec, dataset, collator, kw, a.output_dir)
+    dataset, collator = data(a.seq_len, a.batch_size)
+    stamps = []
+
+    from transformers import TrainerCallback
+
+    class _First(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+    trainer = build(spec, dataset, collator, training_kwargs(a, 1), a.output_dir, [_First()])
     quietly(trainer.train)
-    print(json.dumps({"first_step_s": clock.stamps[0] - clock.started}))
+    print(json.dumps({"first_step_s": stamps[1] - stamps[0]}))
 
 
 def cold_start(a, specs: list[str]) -> dict:
@@ -219,12 +260,13 @@ def machine() -> dict:
 
 
 def print_table(res: dict, base: str) -> None:
-    print(f"\n{'variant':<34} {'steps/s':>8} {'step ms':>8} {'p10-p90 ms':>13} {'x ' + base + ' (rounds)':>18}"
-          f" {'x (medians)':>11}")
+    print(f"\n{'variant':<30} {'steps/s':>7} {'step ms':>8} {'p10-p90 ms':>12} {'x ' + base + ' (pairs)':>15}"
+          f" {'p25-p75':>10} {'x (medians)':>11} {'faults/step':>11}")
     for s, r in res.items():
-        print(f"{s:<34} {r['steps_per_s']:8.2f} {r['step_ms_median']:8.1f} "
-              f"{r['step_ms_p10']:6.1f}-{r['step_ms_p90']:<6.1f} {r['speedup_median_of_round_ratios']:18.2f}"
-              f" {r['speedup_of_medians']:11.2f}")
+        lo, hi = r["speedup_ratio_p25_p75"]
+        print(f"{s:<30} {r['steps_per_s']:7.2f} {r['step_ms_median']:8.1f} "
+              f"{r['step_ms_p10']:5.0f}-{r['step_ms_p90']:<6.0f} {r['speedup_median_of_step_ratios']:15.2f}"
+              f" {lo:4.2f}-{hi:<4.2f} {r['speedup_of_medians']:11.2f} {r['page_faults_per_step']:11.0f}")
 
 
 def main(argv=None) -> dict:
@@ -244,8 +286,9 @@ def main(argv=None) -> dict:
     report["machine"]["loadavg_after"] = os.getloadavg()
     print_table(report["steady_state"], a.variants.split(",")[0])
     for s, r in report["steady_state"].items():
-        if "compile_reason" in r:
-            print(f"  {s} compile: {r['compile_reason']}")
+        for key in ("compile_reason", "allocator_reason"):
+            if key in r:
+                print(f"  {s} {key.split('_')[0]}: {r[key]}")
     if a.cold_start:
         specs = [s for s in a.variants.split(",") if s != "stock-compile"]
         if a.stock_compile:

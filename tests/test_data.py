@@ -148,3 +148,30 @@ def test_loader_settings_are_in_the_trainers_args(tiny_model, dataset, collator,
     trainer.args.dataloader_prefetch_factor = 2  # verify reads the live args, not the plan
     engaged, reason = data.verify(d, trainer)
     assert engaged is False and "MISMATCH: planned 3" in reason
+
+
+def test_drop_last_removes_the_odd_sized_last_batch(tokenizer, collator, make_args):
+    from hf_speedup.tiny import make_dataset, tiny_llama
+
+    rows = make_dataset(tokenizer, n=20, seed=2).select(range(10))  # 10 rows, batch 4: 4 + 4 + 2
+
+    def batch_sizes(cfg):
+        t = SpeedupTrainer(model=tiny_llama(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                            num_key_value_heads=2),
+                           args=make_args(per_device_train_batch_size=4), train_dataset=rows,
+                           data_collator=collator, speedup=cfg)
+        return t, [b["input_ids"].shape[0] for b in t.get_train_dataloader()]
+
+    assert batch_sizes("baseline")[1] == [4, 4, 2]
+    trainer, sizes = batch_sizes(get_preset("baseline").replace(data={"drop_last": True}))
+    assert sizes == [4, 4] and trainer.args.dataloader_drop_last is True
+    d = trainer.speedup_plan["data"]
+    assert d.applied == "drop_last=True" and d.reason.startswith("drop each epoch's last partial batch")
+    assert data.verify(d, trainer) == (True, "args.dataloader_drop_last=True")
+
+
+def test_fast_preset_drops_the_last_batch_and_baseline_keeps_the_users_choice(make_args):
+    fast = build_plan("fast", caps=fake_caps(**CPU_NO_BF16), args=make_args())["data"]
+    assert data.training_args(fast, None)["dataloader_drop_last"] is True
+    base = build_plan("baseline", caps=fake_caps(**CPU_NO_BF16), args=make_args(dataloader_drop_last=True))["data"]
+    assert "dataloader_drop_last" not in data.training_args(base, None)

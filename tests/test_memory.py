@@ -1,7 +1,11 @@
-"""empty_cache: torch_empty_cache_steps and expandable_segments on CUDA; honestly off on CPU."""
+"""empty_cache: torch_empty_cache_steps and expandable_segments on CUDA (honestly off on CPU); CPU malloc reuse."""
 
 from __future__ import annotations
 
+import json
+import platform
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +13,7 @@ import torch
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 from hf_speedup import SpeedupTrainer, build_plan, get_preset
+from hf_speedup.config import SpeedupConfigError
 from hf_speedup.compat import get_allocator_settings, set_allocator_settings
 from hf_speedup.features import memory
 
@@ -123,3 +128,71 @@ def test_cuda_memory_preset_engages(tiny_model, dataset, collator, make_args, re
     segments = torch.cuda.memory_snapshot()
     assert any(s.get("is_expandable") for s in segments), segments[:2]
     del x
+
+
+# ------------------------------------------------------------------------------------------ CPU malloc reuse
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+def test_fast_on_cpu_plans_cpu_reuse_and_cuda_does_not():
+    cpu = build_plan("fast", caps=fake_caps(**CPU_NO_BF16))["empty_cache"]
+    cuda = build_plan("fast", caps=fake_caps(**CUDA_H100))["empty_cache"]
+    assert cpu.requested == "cpu-reuse-freed" and cpu.settings["cpu_reuse_freed"] is GLIBC
+    if GLIBC:
+        assert cpu.applied == "cpu-reuse-freed" and cpu.reason == memory.CPU_REUSE_WHY and cpu.fallbacks == []
+    assert cuda.applied == "off" and cuda.settings["cpu_reuse_freed"] is False
+    assert cuda.fallbacks == ["cpu-reuse-freed: not applied on cuda: tensors live in the device allocator, "
+                              "not CPU malloc"]
+
+
+def test_cpu_reuse_joins_the_cuda_knobs_reasons_on_cpu():
+    cfg = get_preset("memory").replace(memory={"cpu_reuse_freed": True})
+    d = build_plan(cfg, caps=fake_caps(**CPU_NO_BF16))["empty_cache"]
+    assert d.requested == "every 50 steps + expandable + cpu-reuse-freed"
+    assert d.reason.startswith("not applicable on cpu: no CUDA caching allocator")
+    if GLIBC:
+        assert d.applied == "cpu-reuse-freed" and d.reason.endswith(memory.CPU_REUSE_WHY)
+
+
+def test_without_glibc_cpu_reuse_falls_back_with_the_reason(monkeypatch):
+    monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: ("musl", "1.2"))
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    d = build_plan("fast", caps=fake_caps(**CPU_NO_BF16))["empty_cache"]
+    assert d.applied == "off" and d.settings["cpu_reuse_freed"] is False
+    assert d.fallbacks == ["cpu-reuse-freed: needs glibc's mallopt; this Linux uses another C library (e.g. musl)"]
+    assert memory.verify(d, SimpleNamespace(args=None)) == (False, d.reason)
+
+
+def test_cpu_reuse_must_be_a_bool():
+    with pytest.raises(SpeedupConfigError, match=r"memory\.cpu_reuse_freed = 'yes' is not allowed; allowed: true, false"):
+        get_preset("fast").replace(memory={"cpu_reuse_freed": "yes"})
+
+
+PROBE = """
+import json
+from hf_speedup import cpu_allocator
+before = cpu_allocator.reallocation_faults()
+applied, how = cpu_allocator.reuse_freed_memory()
+print(json.dumps({"before": before, "after": cpu_allocator.reallocation_faults(), "applied": applied, "how": how}))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc only")
+def test_reuse_stops_page_faults_on_reallocation_in_a_fresh_process():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    (faults_before, pages), (faults_after, _) = res["before"], res["after"]
+    assert faults_before >= pages // 2  # glibc's default unmaps a freed 40 MiB block: its pages fault in again
+    assert faults_after == 0 and res["applied"] is True
+    assert res["how"] == "glibc mallopt: M_MMAP_THRESHOLD=1024 MiB, M_TRIM_THRESHOLD=2 GiB"
+
+
+@pytest.mark.skipif(not GLIBC or torch.cuda.is_available(), reason="CPU training with glibc")
+def test_fast_preset_engages_cpu_reuse_verified_by_the_probe(tiny_model, dataset, collator, make_args):
+    cfg = get_preset("baseline").replace(memory={"cpu_reuse_freed": True})
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=2), train_dataset=dataset,
+                             data_collator=collator, speedup=cfg)
+    trainer.train()
+    d = trainer.speedup_plan["empty_cache"].to_dict()
+    assert d["engaged"] is True and d["applied"] == "cpu-reuse-freed"
+    assert "re-allocating a freed 40 MiB block faulted 0/10240 pages in again" in d["reason"]

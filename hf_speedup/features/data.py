@@ -1,5 +1,6 @@
 """Input pipeline: pad batches to a multiple of N (stable shapes, fewer recompiles, tensor-core friendly
-sizes) and the DataLoader knobs (workers, pinning, prefetch, persistent workers) via TrainingArguments.
+sizes) and the DataLoader knobs (workers, pinning, prefetch, persistent workers, dropping the last partial
+batch) via TrainingArguments.
 
 Every ``data.*`` field left ``None`` keeps the user's TrainingArguments / collator untouched, so the
 ``baseline`` preset changes nothing. Padding is applied to the collator:
@@ -30,6 +31,7 @@ ARG_FIELDS = {  # settings key -> TrainingArguments field
     "pin_memory": "dataloader_pin_memory",
     "prefetch_factor": "dataloader_prefetch_factor",
     "persistent_workers": "dataloader_persistent_workers",
+    "drop_last": "dataloader_drop_last",
 }
 
 
@@ -63,6 +65,11 @@ def _loader(s, caps, args) -> tuple[dict, list[str], list[str]]:
             continue
         out[key] = value
         reasons.append(f"{key}={value}")
+    if s.drop_last is not None:
+        out["drop_last"] = s.drop_last
+        reasons.append("drop each epoch's last partial batch: under static-shape compile it would compile every "
+                       "region again for one step (up to batch_size-1 samples per epoch are skipped, different "
+                       "ones each epoch when shuffled)" if s.drop_last else "keep each epoch's last partial batch")
     if s.num_workers == 0 and args is not None:  # the user's worker-only settings would now be invalid
         if getattr(args, "dataloader_prefetch_factor", None) is not None:
             out["prefetch_factor"] = None
@@ -91,7 +98,7 @@ def decide(ctx: PlanContext) -> Decision:
 
 def _summary(settings: dict) -> str:
     short = {"pad_to_multiple_of": "pad", "num_workers": "workers", "pin_memory": "pin",
-             "prefetch_factor": "prefetch", "persistent_workers": "persistent"}
+             "prefetch_factor": "prefetch", "persistent_workers": "persistent", "drop_last": "drop_last"}
     return ",".join(f"{short[k]}={v}" for k, v in settings.items()) or "off"
 
 

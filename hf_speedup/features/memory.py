@@ -1,4 +1,4 @@
-"""CUDA caching-allocator knobs: periodic ``empty_cache`` and ``expandable_segments``.
+"""Allocator knobs: periodic CUDA ``empty_cache``, ``expandable_segments``, and CPU freed-memory reuse.
 
 - ``memory.empty_cache_steps`` -> ``TrainingArguments.torch_empty_cache_steps`` (the Trainer calls
   ``empty_cache`` every N steps: lower reserved memory and fragmentation, at some step-time cost).
@@ -18,8 +18,13 @@ is built) stay fixed-size, the report says so. For the whole run, set it before 
 
 On CPU neither knob exists (no CUDA caching allocator): reported, not engaged.
 
-Engagement rule: ``engaged`` is True iff every requested knob is verified in force (the trainer's
-``args.torch_empty_cache_steps``, the allocator settings read back from torch).
+- ``memory.cpu_reuse_freed`` (CPU training only) -> glibc keeps freed blocks instead of unmapping them, so
+  steady-state steps stop page-faulting on every activation (see :mod:`hf_speedup.cpu_allocator`). On CUDA
+  it is not applied (tensors live in the CUDA caching allocator), with that reason.
+
+Engagement rule: ``engaged`` is True iff every requested knob that applies here is verified in force (the
+trainer's ``args.torch_empty_cache_steps``, the allocator settings read back from torch, and for the CPU
+knob a probe: re-allocating a freed 40 MiB block must not fault its pages in again).
 """
 
 from __future__ import annotations
@@ -101,7 +106,44 @@ def _summary(steps: int | None, expandable: bool) -> str:
     return " + ".join(parts) or "off"
 
 
+CPU_REUSE = "cpu-reuse-freed"
+CPU_REUSE_WHY = ("CPU malloc keeps freed blocks mapped (glibc mmap/trim thresholds raised): steady steps reuse "
+                 "pages instead of faulting fresh ones in for every activation; resident memory stays at its peak")
+
+
+def _join(a: str, b: str) -> str:
+    return b if a in ("off", "") else f"{a} + {b}"
+
+
 def decide(ctx: PlanContext) -> Decision:
+    decision = _decide_cuda_knobs(ctx)
+    decision.settings["cpu_reuse_freed"] = False
+    if ctx.config.memory.cpu_reuse_freed:
+        _add_cpu_reuse(decision, ctx.caps)
+    return decision
+
+
+def _add_cpu_reuse(decision: Decision, caps) -> None:
+    from ..cpu_allocator import unavailable_reason
+
+    had_reason = decision.applied != "off" or bool(decision.fallbacks)  # else the reason is "not requested"
+    decision.requested = _join(decision.requested, CPU_REUSE)
+    if caps.device_type != "cpu":
+        why = f"not applied on {caps.device_type}: tensors live in the device allocator, not CPU malloc"
+    else:
+        why = unavailable_reason()
+    if why:
+        decision.fallbacks.append(f"{CPU_REUSE}: {why}")
+        logger.info("hf_speedup empty_cache: %s: %s", CPU_REUSE, why)
+        text = f"{CPU_REUSE}: {why}"
+    else:
+        decision.settings["cpu_reuse_freed"] = True
+        decision.applied = _join(decision.applied, CPU_REUSE)
+        text = CPU_REUSE_WHY
+    decision.reason = f"{decision.reason}; {text}" if had_reason else text
+
+
+def _decide_cuda_knobs(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.memory, ctx.caps
     requested = _summary(s.empty_cache_steps, s.expandable_segments)
     settings = {"empty_cache_steps": None, "expandable_segments": False}
@@ -134,6 +176,12 @@ def training_args(decision: Decision, args) -> dict:
 
 
 def apply(decision: Decision, setup) -> None:
+    if decision.settings.get("cpu_reuse_freed"):
+        from ..cpu_allocator import reuse_freed_memory
+
+        ok, how = reuse_freed_memory()
+        decision.settings["cpu_reuse_how"] = how
+        (logger.info if ok else logger.warning)("hf_speedup empty_cache: %s: %s", CPU_REUSE, how)
     if not decision.settings.get("expandable_segments"):
         return
     ok, how = enable_expandable_segments()
@@ -166,11 +214,27 @@ def _expandable_in_force() -> tuple[bool, str]:
     return on, text
 
 
+def _cpu_reuse_in_force(how: str | None) -> tuple[bool, str]:
+    """Probe: a freed 40 MiB block allocated and written again must not fault its pages in again."""
+    from ..cpu_allocator import PROBE_BYTES, reallocation_faults
+
+    faults, pages = reallocation_faults()
+    on = faults <= pages // 100
+    text = (f"{CPU_REUSE} {'on' if on else 'OFF'}: re-allocating a freed {PROBE_BYTES >> 20} MiB block faulted "
+            f"{faults}/{pages} "
+            f"pages in again ({how or 'not applied'})")
+    return on, text
+
+
 def verify(decision: Decision, trainer) -> tuple[bool, str]:
     st = decision.settings
-    if not (st.get("empty_cache_steps") or st.get("expandable_segments")):
+    if not (st.get("empty_cache_steps") or st.get("expandable_segments") or st.get("cpu_reuse_freed")):
         return False, decision.reason
     parts, ok = [], True
+    if st.get("cpu_reuse_freed"):
+        on, text = _cpu_reuse_in_force(st.get("cpu_reuse_how"))
+        ok = ok and on
+        parts.append(text)
     if st.get("empty_cache_steps"):
         have = getattr(trainer.args, "torch_empty_cache_steps", None)
         ok = ok and have == st["empty_cache_steps"]
