@@ -20,18 +20,11 @@ import resource
 
 M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD = 1 << 30  # blocks up to 1 GiB from the heap (glibc < 2.26 caps this: see _FALLBACK)
+MMAP_THRESHOLD = 1 << 30  # blocks up to 1 GiB from the heap (older glibc refuse it: the fallback below)
 MMAP_THRESHOLD_FALLBACK = 32 << 20  # DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: accepted by every glibc
 TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes a C int: the largest value; keeps up to 2 GiB of free heap
 PROBE_BYTES = 40 << 20  # above glibc's largest dynamic mmap threshold (32 MiB): by default always unmapped
 _STATE: dict = {}
-
-
-def glibc() -> ctypes.CDLL | None:
-    """The process's glibc (None on musl, macOS, Windows)."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def unavailable_reason() -> str | None:
@@ -48,10 +41,10 @@ def reuse_freed_memory() -> tuple[bool, str]:
     if "applied" in _STATE:
         return _STATE["applied"], _STATE["how"]
     why = unavailable_reason()
-    libc = glibc() if why is None else None
-    if libc is None:
-        _STATE.update(applied=False, how=why or "glibc not found")
-        return _STATE["applied"], _STATE["how"]
+    if why is not None:
+        _STATE.update(applied=False, how=why)
+        return False, why
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     mmap = MMAP_THRESHOLD if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 else MMAP_THRESHOLD_FALLBACK
     ok = mmap == MMAP_THRESHOLD or libc.mallopt(M_MMAP_THRESHOLD, mmap) == 1
     ok = ok and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
