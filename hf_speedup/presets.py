@@ -27,8 +27,8 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         "Maximum steps/s: auto plus regional compile of the decoder blocks on every device (max-autotune GEMMs), "
         "static padded shapes (the last partial batch of an epoch is dropped), and on CPU freed memory kept for "
         "reuse. Trade-off: a cold compile at start (tens of seconds on CPU); on CPU resident memory stays at its "
-        "peak. regions: blocks+head also compiles final norm + lm_head + loss (~2% faster steps measured on "
-        "CPU, ~40% longer cold start).",
+        "peak. regions: blocks+head also compiles final norm + lm_head + loss (no steady gain measurable on "
+        "CPU here, ~40% longer cold start).",
         {
             "compile": {"enabled": True, "mode": "max-autotune", "dynamic": False, "regions": "blocks"},
             "optimizer": {"name": "adamw_fused"},

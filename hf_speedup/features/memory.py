@@ -221,8 +221,7 @@ def _cpu_reuse_in_force(how: str | None) -> tuple[bool, str]:
     faults, pages = reallocation_faults()
     on = faults <= pages // 100
     text = (f"{CPU_REUSE} {'on' if on else 'OFF'}: re-allocating a freed {PROBE_BYTES >> 20} MiB block faulted "
-            f"{faults}/{pages} "
-            f"pages in again ({how or 'not applied'})")
+            f"{faults}/{pages} pages in again ({how or 'not applied'})")
     return on, text
 
 
