@@ -96,7 +96,18 @@ def main(argv=None) -> dict:
                "report": os.path.join(ns.output_dir, "speedup_report.json")}
     if trainer.is_world_process_zero():
         print(json.dumps(summary))
+    _end_distributed()
     return summary
+
+
+def _end_distributed() -> None:
+    """Under torchrun/accelerate launch, tear the process group down while Python is alive: left to the
+    interpreter's exit, gloo's threads can abort the process after a successful run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -250,6 +250,8 @@ _WORKER = textwrap.dedent('''
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump({"batches": batches, "world": trainer.accelerator.num_processes,
                    "measurement": trainer.speedup_report.measurement}, fh)
+    # without this, gloo's worker threads can outlive the interpreter and abort the exit (SIGABRT)
+    torch.distributed.destroy_process_group()
 ''')
 
 
