@@ -4,6 +4,7 @@
     python benchmarks/bench_fast.py --cold-start             # + first-step time of each, fresh processes
     python benchmarks/bench_fast.py --cold-start --stock-compile   # + stock TrainingArguments(torch_compile=True)
     python benchmarks/bench_fast.py --variants stock,fast,fast:compile.mode=None   # ablations
+    python benchmarks/bench_fast.py --variants stock,fast,floor   # + the exact-fp32 floor (step_floor.py)
 
 Model and data: the embedded tiny Llama (``hf_speedup.tiny`` default sizes: 4 blocks, hidden 256, vocab 512),
 fp32, batch 8 x 128 tokens (``make_dataset(tok, pack_to=128)``), the same collator for every variant.
@@ -43,7 +44,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="stock,fast",
                    help="comma list: 'stock', 'stock-compile' (TrainingArguments.torch_compile=True), a preset "
-                        "name, or PRESET:section.field=value[:...] (e.g. fast:compile.mode=None)")
+                        "name, PRESET:section.field=value[:...] (e.g. fast:compile.mode=None), or 'floor' (the "
+                        "step's GEMMs and attention alone: the ceiling of any exact-fp32 speed-up, step_floor.py)")
     p.add_argument("--steps", type=int, default=60, help="measured steps per variant (lock-stepped)")
     p.add_argument("--warmup", type=int, default=5, help="steps run before measuring (compile happens here)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -148,6 +150,8 @@ def worker(spec: str, a, conn) -> None:
         torch.set_num_threads(a.threads)
     dataset, collator = data(a.seq_len, a.batch_size)
     clock = Lockstep(conn)
+    if spec == "floor":
+        return floor_worker(a, dataset, collator, clock)
     trainer = build(spec, dataset, collator, training_kwargs(a, a.warmup + a.steps), a.output_dir, [clock.callback])
     quietly(trainer.train)
     info = {}
@@ -157,6 +161,21 @@ def worker(spec: str, a, conn) -> None:
         info["compile_reason"] = plan["compile"]["reason"]
         info["allocator_reason"] = plan["empty_cache"]["reason"]
     conn.send(("done", info))
+
+
+def floor_worker(a, dataset, collator, clock) -> None:
+    """The ``floor`` variant: per lock-step, the step's GEMMs and attention kernels alone (step_floor.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from step_floor import Floor
+
+    floor = Floor(dataset, collator, a.batch_size, a.seq_len)
+    clock.wait()
+    for _ in range(a.warmup + a.steps):
+        floor()
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        clock.conn.send((time.perf_counter() - clock.go, r.ru_minflt - clock.faults))
+        clock.wait()
+    clock.conn.send(("done", floor.info(skip=a.warmup)))
 
 
 def steady_state(a) -> dict:
@@ -286,11 +305,11 @@ def main(argv=None) -> dict:
     report["machine"]["loadavg_after"] = os.getloadavg()
     print_table(report["steady_state"], a.variants.split(",")[0])
     for s, r in report["steady_state"].items():
-        for key in ("compile_reason", "allocator_reason"):
+        for key in ("compile_reason", "allocator_reason", "floor_reason"):
             if key in r:
                 print(f"  {s} {key.split('_')[0]}: {r[key]}")
     if a.cold_start:
-        specs = [s for s in a.variants.split(",") if s != "stock-compile"]
+        specs = [s for s in a.variants.split(",") if s not in ("stock-compile", "floor")]
         if a.stock_compile:
             specs.append("stock-compile")
         report["cold_start"] = cold_start(a, specs)
