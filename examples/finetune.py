@@ -96,15 +96,17 @@ def main(argv=None) -> dict:
                "report": os.path.join(ns.output_dir, "speedup_report.json")}
     if trainer.is_world_process_zero():
         print(json.dumps(summary))
-    _end_distributed()
     return summary
 
 
 def _end_distributed() -> None:
     """Under torchrun/accelerate launch, tear the process group down while Python is alive: left to the
     interpreter's exit, gloo's threads can abort the process after a successful run."""
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -112,3 +114,4 @@ def _end_distributed() -> None:
 
 if __name__ == "__main__":
     main()
+    _end_distributed()  # after main() returned: the trainer (and its DDP/FSDP wrappers) is released first

@@ -250,8 +250,12 @@ _WORKER = textwrap.dedent('''
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump({"batches": batches, "world": trainer.accelerator.num_processes,
                    "measurement": trainer.speedup_report.measurement}, fh)
-    # without this, gloo's worker threads can outlive the interpreter and abort the exit (SIGABRT)
-    torch.distributed.destroy_process_group()
+    # Both ranks are done: leave without interpreter teardown. torch's gloo backend can abort a process
+    # (SIGABRT, "terminate called without an active exception") while Python finalises it, rarely and
+    # at random, even after destroy_process_group(); the results above are already on disk.
+    torch.distributed.barrier()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)
 ''')
 
 
