@@ -100,11 +100,15 @@ class Lockstep:
                 outer.wait()
 
             def on_step_end(self, args, state, control, **kw):
-                r = resource.getrusage(resource.RUSAGE_SELF)
-                conn.send((time.perf_counter() - outer.go, r.ru_minflt - outer.faults))
-                outer.wait()
+                outer.step_done()
 
         self.conn, self.callback, self.go, self.faults = conn, _CB(), 0.0, 0
+
+    def step_done(self) -> None:
+        """Send this step's seconds and page faults, then wait for the next go."""
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        self.conn.send((time.perf_counter() - self.go, r.ru_minflt - self.faults))
+        self.wait()
 
     def wait(self) -> None:
         self.conn.recv()
@@ -172,9 +176,7 @@ def floor_worker(a, dataset, collator, clock) -> None:
     clock.wait()
     for _ in range(a.warmup + a.steps):
         floor()
-        r = resource.getrusage(resource.RUSAGE_SELF)
-        clock.conn.send((time.perf_counter() - clock.go, r.ru_minflt - clock.faults))
-        clock.wait()
+        clock.step_done()
     clock.conn.send(("done", floor.info(skip=a.warmup)))
 
 
@@ -305,7 +307,7 @@ def main(argv=None) -> dict:
     report["machine"]["loadavg_after"] = os.getloadavg()
     print_table(report["steady_state"], a.variants.split(",")[0])
     for s, r in report["steady_state"].items():
-        for key in ("compile_reason", "allocator_reason", "floor_reason"):
+        for key in ("compile_reason", "allocator_reason", "ceiling_reason"):
             if key in r:
                 print(f"  {s} {key.split('_')[0]}: {r[key]}")
     if a.cold_start:

@@ -144,7 +144,7 @@ class Floor:
 
         gemm = statistics.median(g for g, _ in self.parts[skip:])
         attention = statistics.median(a for _, a in self.parts[skip:])
-        return {"floor_reason": (
+        return {"ceiling_reason": (
             f"{len(self.replay.calls)} GEMMs of the step ({self.gemm_gflop:.2f} GFLOP, {self.replay.onednn} on "
             f"oneDNN) replayed back to back: {1e3 * gemm:.1f} ms, {self.gemm_gflop / gemm:.0f} GFLOP/s (this "
             f"machine's best large GEMM: {self.peak_gflops:.0f} GFLOP/s); flash attention forward + backward, "

@@ -100,8 +100,8 @@ def main(argv=None) -> dict:
 
 
 def _end_distributed() -> None:
-    """Under torchrun/accelerate launch, tear the process group down while Python is alive: left to the
-    interpreter's exit, gloo's threads can abort the process after a successful run."""
+    """Under torchrun/accelerate launch, tear the process group down while Python is alive (torch's own
+    advice): left to the interpreter's exit, gloo more often aborts a process after a successful run."""
     import gc
 
     import torch.distributed as dist
