@@ -73,6 +73,41 @@ CPU_NO_BF16 = dict(device_type="cpu", device_name="AMD EPYC", bf16=False, bitsan
 CPU_AMX = dict(device_type="cpu", device_name="Intel Xeon (Sapphire Rapids)", bf16=True, bitsandbytes=False, compile=True)
 
 
+# Both CPU decision paths on whichever CPU runs the suite: `auto` picks bf16 autocast on a CPU with AMX
+# and fp32 elsewhere. bf16 autocast runs on every x86 CPU (slowly without AMX), so both paths really train.
+CPU_KINDS = {"cpu-fp32": False, "cpu-amx": True}
+# Loss tolerance for two runs in the same compute dtype (like with like): fp32 runs differ only by
+# reduction order; bf16 autocast rounds GEMM inputs to 8 mantissa bits (unit roundoff 2**-8 = 3.9e-3).
+SAME_DTYPE_LOSS_REL = {"fp32": 1e-4, "bf16": 2e-3}
+
+
+def assert_same_in_dtype(actual, expected, dtype: str, name: str = "") -> None:
+    """Two gradients of one step computed in the same compute dtype agree.
+
+    fp32: elementwise (rtol 1e-3). bf16: per tensor, ||a - b|| / ||b|| <= 3e-2 (~8 roundings of 2**-8):
+    where bf16 rounding happens differs between eager and a fused compile (measured 1.4e-2), so only
+    wiring errors (O(1) differences) are visible in bf16; the fp32 path checks the math tightly.
+    """
+    import torch
+
+    if dtype == "fp32":
+        torch.testing.assert_close(actual, expected, rtol=1e-3, atol=1e-5, msg=name)
+        return
+    rel = ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
+    assert rel <= 3e-2, f"{name}: relative difference {rel:.2e} > 3e-2 in {dtype}"
+
+
+@pytest.fixture(params=sorted(CPU_KINDS))
+def cpu_kind(request, monkeypatch):
+    """Fake the CPU's bf16 capability (AMX or not), so tests exercise both precision paths anywhere."""
+    import hf_speedup.hardware as hardware
+
+    amx = CPU_KINDS[request.param]
+    why = ("faked for the test: CPU has AMX tiles" if amx else "faked for the test: CPU without AMX")
+    monkeypatch.setattr(hardware, "_cpu_bf16", lambda: (amx, why))
+    return request.param
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip cleanly on machines without CUDA (CI never has one)."""
     import torch

@@ -137,10 +137,13 @@ def test_report_says_fsdp_engaged_with_units_and_per_rank_bytes(run):
 
 
 def test_final_save_model_is_a_full_loadable_model(run):
+    """The saved fp32 model reproduces the sharded model's loss; the sharded one computes in the plan's dtype
+    (bf16 mixed precision on an AMX CPU), so the tolerance is that dtype's rounding."""
     _, ranks = run
     m = ranks[0]["main"]
     assert m["saved_parameters"] == FULL_BYTES // 4
-    assert abs(m["final_loss_saved"] - m["final_loss_sharded"]) < 1e-5
+    rel = {"fp32": 2e-6, "bf16": 4e-3}[m["compute_dtype"]]  # 4e-3: bf16's 8-bit mantissa, 2**-8
+    assert m["final_loss_saved"] == pytest.approx(m["final_loss_sharded"], rel=rel)
 
 
 # ------------------------------------------------------------------------------------------ variants

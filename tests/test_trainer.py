@@ -9,6 +9,8 @@ from transformers import Trainer, TrainerCallback
 from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset, list_presets
 from hf_speedup.tiny import tiny_llama
 
+from conftest import SAME_DTYPE_LOSS_REL, assert_same_in_dtype
+
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 REPORT_FEATURES = {"precision", "compile", "optimizer", "checkpointing", "empty_cache", "lora", "fsdp"}
 
@@ -56,20 +58,36 @@ def _compile_light(cfg):
     return cfg.replace(compile={"backend": "aot_eager", "mode": None}) if cfg.compile.enabled is True else cfg
 
 
+def _same_precision_reference(trainer, cfg, cpu_kind):
+    """The dtype the preset ran in, checked on the live Trainer, and ``baseline`` pinned to that dtype.
+
+    Like with like: a preset's math is compared with the stock loop in the same precision, so the test
+    holds on a CPU with AMX (``auto`` -> bf16) and without (fp32) alike.
+    """
+    dtype = "bf16" if cpu_kind == "cpu-amx" and cfg.precision.dtype == "auto" else "fp32"
+    assert trainer.accelerator.mixed_precision == ("bf16" if dtype == "bf16" else "no"), trainer.speedup_plan["precision"]
+    return dtype, get_preset("baseline").replace(precision={"dtype": dtype})
+
+
+def _assert_same_first_step(dtype, loss, grads, base_loss, base_grads, lora: bool):
+    assert loss == pytest.approx(base_loss, rel=SAME_DTYPE_LOSS_REL[dtype])
+    if not lora:  # full fine-tune: every gradient matches the reference's
+        assert grads.keys() == base_grads.keys()
+        for name, g in grads.items():
+            assert_same_in_dtype(g, base_grads[name], dtype, name)
+    else:  # adapters only: base weights get no gradient at all
+        assert grads and all("lora_" in n for n in grads)
+
+
 @pytest.mark.parametrize("preset", sorted(set(list_presets()) - {"baseline"}))
-def test_every_preset_trains_and_keeps_first_step_math(preset, make_args, dataset, collator, tmp_path):
+def test_every_preset_trains_and_keeps_first_step_math(preset, cpu_kind, make_args, dataset, collator, tmp_path):
     cfg = _compile_light(get_preset(preset))
     if cfg.fsdp.enabled:
         pytest.skip("FSDP presets need several processes: tests/test_fsdp*.py")
-    base_trainer, base_loss, base_grads = _first_step("baseline", make_args, dataset, collator, tmp_path)
     trainer, loss, grads = _first_step(cfg, make_args, dataset, collator, tmp_path)
-    assert loss == pytest.approx(base_loss, rel=1e-4)
-    if not cfg.lora.enabled:  # full fine-tune: every gradient matches the baseline's
-        assert grads.keys() == base_grads.keys()
-        for name, g in grads.items():
-            torch.testing.assert_close(g, base_grads[name], rtol=1e-3, atol=1e-5, msg=name)
-    else:  # adapters only: base weights get no gradient at all
-        assert grads and all("lora_" in n for n in grads)
+    dtype, reference = _same_precision_reference(trainer, cfg, cpu_kind)
+    _, base_loss, base_grads = _first_step(reference, make_args, dataset, collator, tmp_path)
+    _assert_same_first_step(dtype, loss, grads, base_loss, base_grads, lora=cfg.lora.enabled)
     report = json.loads((trainer.args.output_dir and open(f"{trainer.args.output_dir}/speedup_report.json").read()))
     assert REPORT_FEATURES <= set(report["plan"])
     for entry in report["plan"].values():
@@ -77,13 +95,12 @@ def test_every_preset_trains_and_keeps_first_step_math(preset, make_args, datase
 
 
 @pytest.mark.slow
-def test_fast_preset_with_inductor_keeps_first_step_math(make_args, dataset, collator, tmp_path):
-    _, base_loss, base_grads = _first_step("baseline", make_args, dataset, collator, tmp_path)
+def test_fast_preset_with_inductor_keeps_first_step_math(cpu_kind, make_args, dataset, collator, tmp_path):
     trainer, loss, grads = _first_step("fast", make_args, dataset, collator, tmp_path)
     assert trainer.speedup_plan["compile"].engaged, trainer.speedup_plan["compile"].engaged_reason
-    assert loss == pytest.approx(base_loss, rel=1e-4)
-    for name, g in grads.items():
-        torch.testing.assert_close(g, base_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+    dtype, reference = _same_precision_reference(trainer, get_preset("fast"), cpu_kind)
+    _, base_loss, base_grads = _first_step(reference, make_args, dataset, collator, tmp_path)
+    _assert_same_first_step(dtype, loss, grads, base_loss, base_grads, lora=False)
 
 
 class _Untouchable:

@@ -95,6 +95,7 @@ def _facts(trainer) -> dict:
         "decision": trainer.speedup_plan["fsdp"].to_dict(),
         "checkpointing": trainer.speedup_plan["checkpointing"].to_dict(),
         "lora": trainer.speedup_plan["lora"].to_dict(),
+        "compute_dtype": trainer.speedup_plan["precision"].settings["dtype"],  # bf16 on AMX CPUs, else fp32
     }
 
 
