@@ -273,9 +273,9 @@ def machine() -> dict:
     import torch
     import transformers
 
-    from hf_speedup.hardware import _cpu_name
+    from hf_speedup.hardware import cpu_name
 
-    return dict(cpu=_cpu_name(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
+    return dict(cpu=cpu_name(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                 torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
                 loadavg=os.getloadavg())
 

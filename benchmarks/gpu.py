@@ -16,7 +16,7 @@ with the same adapters as the ``lora`` preset). A variant that cannot run here i
 
 Per variant: median steady step time (CUDA-synchronised, after ``--warmup`` steps, which absorb the
 compile), tokens/s (every token in these packed rows is a real one), MFU by the PaLM formula
-(``hf_speedup.metrics.flops_per_token``; recomputation not counted), peak CUDA memory allocated and
+(``hf_speedup.report.measure.flops_per_token``; recomputation not counted), peak CUDA memory allocated and
 reserved, the time from process start to the end of step 1 (model build + compile: the cold start),
 and the last logged loss.
 """
@@ -151,7 +151,8 @@ def run_worker(ns) -> dict:
     from transformers import Trainer, TrainingArguments
 
     from hf_speedup import SpeedupTrainer
-    from hf_speedup.metrics import attention_dims, flops_per_token, parameter_counts
+    from hf_speedup.model_info import parameter_counts
+    from hf_speedup.report.measure import attention_dims, flops_per_token
     from hf_speedup.peak_flops import peak_flops_for
     from hf_speedup.tiny import causal_lm_collator
 

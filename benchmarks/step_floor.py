@@ -61,7 +61,7 @@ class Replay:
     def __init__(self, gemms):
         import torch
 
-        from hf_speedup.features.regional_compile import _benchmark_gemm, _onednn_mm
+        from hf_speedup.features.compile import benchmark_gemm, onednn_mm
 
         self.calls = []
         chosen: dict = {}
@@ -71,9 +71,9 @@ class Replay:
                 self.calls.append((torch.bmm, a, b))
                 continue
             if key not in chosen:
-                chosen[key] = _benchmark_gemm(key)["choice"]
-            self.calls.append((_onednn_mm if chosen[key] == "onednn" else torch.mm, a, b))
-        self.onednn = sum(1 for fn, *_ in self.calls if fn is _onednn_mm)
+                chosen[key] = benchmark_gemm(key)["choice"]
+            self.calls.append((onednn_mm if chosen[key] == "onednn" else torch.mm, a, b))
+        self.onednn = sum(1 for fn, *_ in self.calls if fn is onednn_mm)
 
     def __call__(self) -> float:
         start = time.perf_counter()
@@ -107,11 +107,11 @@ def machine_peak() -> float:
     """Best large-GEMM throughput here (FLOP/s): 2048^2 fp32, best of MKL and oneDNN, best of 5."""
     import torch
 
-    from hf_speedup.features.regional_compile import _onednn_mm
+    from hf_speedup.features.compile import onednn_mm
 
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     best = float("inf")
-    for fn in (torch.mm, _onednn_mm, torch.mm, _onednn_mm):
+    for fn in (torch.mm, onednn_mm, torch.mm, onednn_mm):
         fn(a, b)
         for _ in range(5):
             start = time.perf_counter()

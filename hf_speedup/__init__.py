@@ -4,7 +4,8 @@ from .config import SpeedupConfig, SpeedupConfigError
 from .features.memory import enable_expandable_segments, memory_env
 from .loading import load_model, load_tokenizer
 from .plan import build_plan
-from .presets import get_preset, list_presets, training_arguments
+from .presets import get_preset, list_presets
+from .stock import training_arguments
 from .trainer import SpeedupTrainer
 
 __all__ = [
@@ -20,4 +21,4 @@ __all__ = [
     "memory_env",
     "enable_expandable_segments",
 ]
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401

@@ -6,7 +6,9 @@
 
 What the preset decides:
 
-- ``fsdp.enabled``: ``distributed_type: FSDP`` with ``fsdp_version: 2``, ``TRANSFORMER_BASED_WRAP`` (the block
+- ``fsdp.enabled``: ``distributed_type: FSDP`` and the ``fsdp_config`` the fsdp feature decides for a
+  launched GPU run on that layout (``features/fsdp``: the same settings and the same translation into
+  accelerate's options as the Trainer path): ``fsdp_version: 2``, ``TRANSFORMER_BASED_WRAP`` (the block
   class comes from the model's ``_no_split_modules``, the same class hf_speedup's block finder uses),
   ``fsdp_reshard_after_forward`` from the strategy, CPU offload, state-dict type, CPU-RAM-efficient loading
   and FSDP's own activation checkpointing when the preset checkpoints. ``hybrid_shard`` on several machines
@@ -30,6 +32,9 @@ from typing import Any
 import yaml
 
 from .config import SpeedupConfig, SpeedupConfigError
+from .features.fsdp.decision import settings_for_launch_file
+from .features.fsdp.settings import launch_file_fsdp_config
+from .presets import get_preset, resolve
 
 # The shipped files (configs/accelerate/<name>.yaml): name -> (preset, overrides, num_processes, num_machines)
 SHIPPED: dict[str, tuple[str, dict, int, int]] = {
@@ -48,12 +53,6 @@ _COMMENTS = {
 }
 
 
-def _resolve(preset: Any) -> SpeedupConfig:
-    from .presets import resolve
-
-    return resolve(preset)
-
-
 def _mixed_precision(cfg: SpeedupConfig) -> str:
     dtype = cfg.precision.dtype
     if dtype == "fp16":
@@ -68,7 +67,7 @@ def accelerate_config_dict(preset: Any = "fsdp", num_processes: int = 8, num_mac
                            main_process_port: int = 29500, mixed_precision: str | None = None,
                            regional_compile: bool | None = None) -> dict:
     """The config as a dict, in the keys ``accelerate launch --config_file`` reads (``ClusterConfig``)."""
-    cfg = _resolve(preset)
+    cfg = resolve(preset)
     problems = []
     if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
         problems.append(f"num_processes = {num_processes!r} is not allowed; allowed: an integer >= 1; fix: e.g. 8")
@@ -84,32 +83,15 @@ def accelerate_config_dict(preset: Any = "fsdp", num_processes: int = 8, num_mac
     if problems:
         raise SpeedupConfigError(problems)
 
-    fs = cfg.fsdp
     out: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False}
-    if fs.enabled:
+    if cfg.fsdp.enabled:
+        fsdp = settings_for_launch_file(cfg, num_processes, num_machines)
         out["distributed_type"] = "FSDP"
-        # accelerate's FSDP2 has no NO_SHARD (FSDP1 has); hybrid on one machine is a full shard there
-        version = 1 if (fs.strategy == "no_shard" or (fs.strategy == "hybrid_shard" and num_machines > 1
-                                                        and fs.version == 1)) else fs.version
-        fc: dict[str, Any] = {
-            "fsdp_version": version,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_reshard_after_forward": (fs.strategy != "shard_grad_op") if version == 2 else fs.strategy.upper(),
-            "fsdp_offload_params": fs.cpu_offload,
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT" if fs.state_dict_type == "sharded" else "FULL_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": fs.cpu_ram_efficient_loading,
-            "fsdp_activation_checkpointing": (cfg.checkpointing.enabled is True
-                                              and cfg.checkpointing.every_n_blocks == 1),
-        }
-        if version == 1:
-            fc.update(fsdp_use_orig_params=True, fsdp_sync_module_states=fs.cpu_ram_efficient_loading,
-                      fsdp_backward_prefetch="BACKWARD_PRE", fsdp_forward_prefetch=False)
-        out["fsdp_config"] = fc
-        if fs.strategy == "hybrid_shard" and num_machines > 1 and version == 2:
-            out["parallelism_config"] = {
-                "parallelism_config_dp_replicate_size": num_machines,
-                "parallelism_config_dp_shard_size": num_processes // num_machines,
-            }
+        out["fsdp_config"] = launch_file_fsdp_config(fsdp)
+        if fsdp.parallelism and fsdp.parallelism[0] > 1:  # one replica (one machine) is a plain full shard
+            replicas, shard = fsdp.parallelism
+            out["parallelism_config"] = {"parallelism_config_dp_replicate_size": replicas,
+                                         "parallelism_config_dp_shard_size": shard}
     else:
         out["distributed_type"] = "NO" if num_processes == 1 else "MULTI_GPU"
     out["downcast_bf16"] = "no"
@@ -130,7 +112,7 @@ def accelerate_config_dict(preset: Any = "fsdp", num_processes: int = 8, num_mac
     out["tpu_use_sudo"] = False
     out["use_cpu"] = False
     compile_on = regional_compile if regional_compile is not None else (
-        cfg.compile.enabled in (True, "auto") and not fs.cpu_offload)
+        cfg.compile.enabled in (True, "auto") and not cfg.fsdp.cpu_offload)
     if compile_on:
         out["dynamo_config"] = {
             "dynamo_backend": "INDUCTOR",
@@ -195,7 +177,7 @@ def write_accelerate_config(preset: Any = "fsdp", num_processes: int = 8, num_ma
     ``path`` is None, else writes it and returns the Path. ``name`` makes the header's example command point at
     ``configs/accelerate/<name>.yaml`` (the shipped files). Bad arguments raise SpeedupConfigError (all at once).
     """
-    cfg = _resolve(preset)
+    cfg = resolve(preset)
     d = accelerate_config_dict(cfg, num_processes, num_machines, machine_rank=machine_rank,
                                main_process_ip=main_process_ip, main_process_port=main_process_port,
                                mixed_precision=mixed_precision, regional_compile=regional_compile)
@@ -211,8 +193,6 @@ def write_accelerate_config(preset: Any = "fsdp", num_processes: int = 8, num_ma
 
 def write_shipped_configs(folder: str | Path = "configs/accelerate") -> list[Path]:
     """(Re)write the files shipped in ``configs/accelerate/``."""
-    from .presets import get_preset
-
     out = []
     for name, (preset, overrides, n, m) in SHIPPED.items():
         cfg = get_preset(preset).replace(**overrides) if overrides else get_preset(preset)

@@ -1,4 +1,5 @@
-"""Find the repeated decoder block of a model: the one unit that compile, checkpointing and FSDP share."""
+"""Find the parts of a model every feature agrees on: the repeated decoder block (the unit compile,
+checkpointing and FSDP share), the final norm, and the transformers model under its wrappers."""
 
 from __future__ import annotations
 
@@ -57,3 +58,32 @@ def find_block_class(model: nn.Module) -> type | None:
     """The class of the (first) repeated block, for wrap policies that want a type."""
     blocks = find_blocks(model)
     return type(blocks[0]) if blocks else None
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The transformers model under peft (``get_base_model``) and DDP/accelerate (``.module``) wrappers."""
+    for _ in range(8):
+        if hasattr(model, "get_base_model") and model.get_base_model() is not model:
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module) and not hasattr(model, "lm_head"):
+            model = model.module
+        else:
+            break
+    return model
+
+
+def find_final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm after the last block: the decoder's ``norm`` where transformers names one (``get_decoder``),
+    else the last norm among the direct children of the inner model (``transformer.ln_f``)."""
+    base = unwrap_model(model)
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if isinstance(getattr(decoder, "norm", None), nn.Module):
+        return decoder.norm
+    prefix = getattr(base, "base_model_prefix", "")
+    inner = getattr(base, prefix, None) if prefix else None
+    inner = inner if isinstance(inner, nn.Module) else base
+    found = None
+    for _, child in inner.named_children():
+        if "norm" in type(child).__name__.lower():
+            found = child
+    return found

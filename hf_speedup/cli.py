@@ -7,7 +7,7 @@ import sys
 
 
 def _cmd_presets(ns) -> int:
-    from .console import table
+    from .report.console import table
     from .presets import list_presets, write_preset_yamls
 
     if ns.write:
@@ -35,14 +35,15 @@ def _load_model_for_plan(ns):
 
 def _cmd_plan(ns) -> int:
     from .plan import build_plan
+    from .report import Report
 
-    plan = build_plan(ns.preset if not ns.config else ns.config, model=_load_model_for_plan(ns))
+    report = Report(build_plan(ns.preset if not ns.config else ns.config, model=_load_model_for_plan(ns)))
     if ns.json:
         import json
 
-        print(json.dumps(plan.to_dict(), indent=2))
+        print(json.dumps(report.to_dict()["plan"], indent=2))
     else:
-        print(plan.table())
+        print(report.table())
     return 0
 
 
@@ -56,7 +57,7 @@ def _cmd_accelerate_config(ns) -> int:
 
 
 def _cmd_report(ns) -> int:
-    from . import report_cli
+    from .report import cli as report_cli
 
     if ns.compare:
         report_cli.compare_reports([ns.path, *ns.compare])
@@ -69,16 +70,9 @@ def _cmd_report(ns) -> int:
 
 
 def _cmd_demo(ns) -> int:
-    import runpy
-    from pathlib import Path
+    from .demo import run_demo
 
-    script = Path(__file__).resolve().parent.parent / "examples" / "finetune.py"
-    if not script.exists():
-        from . import demo
-
-        return demo.main(["--speedup", ns.preset, "--max-steps", str(ns.max_steps)])
-    sys.argv = [str(script), "--speedup", ns.preset, "--max-steps", str(ns.max_steps)]
-    runpy.run_path(str(script), run_name="__main__")
+    run_demo(ns.preset, max_steps=ns.max_steps, output_dir=ns.output_dir)
     return 0
 
 
@@ -115,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="fine-tune the embedded tiny model with a preset")
     s.add_argument("--preset", default="auto")
     s.add_argument("--max-steps", type=int, default=60)
+    s.add_argument("--output-dir", default="outputs/demo")
     s.set_defaults(func=_cmd_demo)
     return p
 

@@ -1,10 +1,17 @@
-"""Version differences of transformers / accelerate / torch, in one place."""
+"""Version differences of transformers / accelerate / torch, in one place.
+
+Only shims live here: code that papers over what one version of a dependency spells, keeps or lacks
+differently from another, so the rest of the package is written once against the newest API.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
+
+import torch
+
+# --------------------------------------------------------------------------- transformers / accelerate
 
 
 def args_fields(args_cls=None) -> set[str]:
@@ -43,18 +50,35 @@ def enable_model_checkpointing(model, kwargs: dict) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def trainer_init_params() -> list[str]:
-    from transformers import Trainer
-
-    return list(inspect.signature(Trainer.__init__).parameters)[1:]
-
-
-def fsdp2_available() -> bool:
+def gradient_checkpointing_layer_cls():
+    """transformers' ``GradientCheckpointingLayer`` (>= 4.52), or None on older versions."""
     try:
-        from torch.distributed.fsdp import fully_shard  # noqa: F401
+        from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:
-        return False
-    return True
+        return None
+    return GradientCheckpointingLayer
+
+
+def remove_quantization_config(quantizer, model) -> None:
+    """Detach ``quantizer`` from ``model`` with the quantizer's own method, or by hand where this transformers lacks it."""
+    if hasattr(quantizer, "remove_quantization_config"):
+        quantizer.remove_quantization_config(model)
+        return
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
+def gguf_dequantize_config():
+    """``GgufConfig(dequantize=True)`` where transformers has it (5.x); None where GGUF is always dequantized."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return None
+    return GgufConfig(dequantize=True)
 
 
 def unwrap_optimizer(opt: Any) -> Any:
@@ -66,8 +90,7 @@ def unwrap_optimizer(opt: Any) -> Any:
     return opt
 
 
-# --------------------------------------------------------------------------- precision / allocator
-# (appended for features/precision.py and features/memory.py)
+# --------------------------------------------------------------------------- TF32 / caching allocator
 
 
 def tf32_matmul_enabled() -> bool:
@@ -76,8 +99,6 @@ def tf32_matmul_enabled() -> bool:
     torch >= 2.9 has ``fp32_precision`` ("tf32" | "ieee" | "none" = inherit); transformers sets the new
     API, and reading the legacy ``allow_tf32`` after that raises, so the new API is read first.
     """
-    import torch
-
     matmul = torch.backends.cuda.matmul
     try:
         prec = getattr(matmul, "fp32_precision", None)
@@ -96,8 +117,6 @@ def tf32_matmul_enabled() -> bool:
 
 def get_allocator_settings() -> str | None:
     """The caching-allocator settings string in force (torch >= 2.9), or None where torch cannot say."""
-    import torch
-
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     if getter is None:
         return None
@@ -109,8 +128,6 @@ def get_allocator_settings() -> str | None:
 
 def set_allocator_settings(conf: str) -> bool:
     """Change caching-allocator settings at run time (applies to segments allocated from now on)."""
-    import torch
-
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:  # torch < 2.9: the CUDA-only (now deprecated) spelling
         setter = getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
@@ -121,7 +138,6 @@ def set_allocator_settings(conf: str) -> bool:
 
 
 # --------------------------------------------------------------------------- FSDP1 / FSDP2
-# (appended for features/fsdp.py and sharding.py)
 #
 # torch:        FSDP2 ``fully_shard`` is public in ``torch.distributed.fsdp`` from 2.6 (2.4-2.5 had it under
 #               ``torch.distributed._composable.fsdp``); ``DTensor`` in ``torch.distributed.tensor`` from 2.5.
@@ -137,8 +153,6 @@ FSDP2_MIN_TORCH = (2, 6)
 
 
 def _torch_version() -> tuple[int, int]:
-    import torch
-
     parts = torch.__version__.split("+")[0].split(".")
     return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
 
@@ -179,9 +193,7 @@ def fsdp2_support() -> tuple[bool, str]:
         from accelerate.utils import FullyShardedDataParallelPlugin
     except ImportError:
         return False, "accelerate is not installed"
-    import dataclasses as _dc
-
-    if "fsdp_version" not in {f.name for f in _dc.fields(FullyShardedDataParallelPlugin)}:
+    if "fsdp_version" not in {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}:
         return False, "this accelerate has no FSDP2 (FullyShardedDataParallelPlugin.fsdp_version needs accelerate >= 1.6)"
     return True, "torch fully_shard and accelerate fsdp_version=2 available"
 
@@ -221,158 +233,7 @@ def mark_prepared_for_accelerate(model) -> None:
     model._is_accelerate_prepared = True
 
 
-# --------------------------------------------------------------------------- checkpointing / GGUF
-# (appended for features/checkpointing.py, features/lora.py and loading.py)
-
-
-def _gc_layer_class():
-    """transformers' ``GradientCheckpointingLayer`` (>= 4.52), or None on older versions."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        return None
-    return GradientCheckpointingLayer
-
-
-def enable_block_checkpointing(blocks, selected, checkpoint_kwargs: dict) -> str:
-    """Checkpoint ``blocks[i]`` for ``i`` in ``selected`` and leave the others alone; returns the mechanism.
-
-    Per-block flags on transformers' ``GradientCheckpointingLayer`` (what ``every_n_layers`` sets in
-    transformers 5), so a later in-place ``block.compile()`` traces the checkpoint inside the region.
-    Blocks of other classes get their ``forward`` wrapped on the instance, which compiles the same way.
-    """
-    import functools
-
-    from torch.utils.checkpoint import checkpoint
-
-    fn = functools.partial(checkpoint, **checkpoint_kwargs)
-    gc_layer = _gc_layer_class()
-    selected = set(selected)
-    mechanism = "GradientCheckpointingLayer flags"
-    for i, block in enumerate(blocks):
-        if gc_layer is not None and isinstance(block, gc_layer):
-            block._gradient_checkpointing_func = fn
-            block.gradient_checkpointing = i in selected
-        elif i in selected:
-            _wrap_forward(block, fn)
-            mechanism = "forward wrapper"
-    return mechanism
-
-
-def _wrap_forward(block, fn) -> None:
-    """Instance-level checkpointed ``forward`` (idempotent) for blocks transformers does not manage."""
-    import functools
-
-    import torch
-
-    if getattr(block.forward, "_hf_speedup_checkpointed", False):
-        return
-    inner = block.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        if block.training and torch.is_grad_enabled():
-            return fn(functools.partial(inner, **kwargs), *args)
-        return inner(*args, **kwargs)
-
-    forward._hf_speedup_checkpointed = True
-    forward._hf_speedup_checkpoint_fn = fn
-    block.forward = forward
-
-
-def block_checkpoint_fn(block):
-    """The checkpoint function a block will use when training, or None where it is not checkpointed."""
-    if getattr(block.forward, "_hf_speedup_checkpointed", False):
-        return block.forward._hf_speedup_checkpoint_fn
-    gc_layer = _gc_layer_class()
-    if gc_layer is not None and isinstance(block, gc_layer) and block.gradient_checkpointing:
-        return getattr(block, "_gradient_checkpointing_func", None)
-    return None
-
-
-def is_non_reentrant(fn) -> bool | None:
-    """``use_reentrant`` of a ``functools.partial(checkpoint, ...)``; None when it cannot be read."""
-    keywords = getattr(fn, "keywords", None)
-    if keywords is None:
-        return None
-    return keywords.get("use_reentrant", True) is False
-
-
-def disable_kv_cache(model) -> int:
-    """``use_cache=False`` on every config in the model (a cache is useless and wasteful under checkpointing)."""
-    changed = 0
-    seen: set[int] = set()
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is None or id(cfg) in seen:
-            continue
-        seen.add(id(cfg))
-        for c in (cfg, cfg.get_text_config() if hasattr(cfg, "get_text_config") else None):
-            if c is not None and getattr(c, "use_cache", False):
-                c.use_cache = False
-                changed += 1
-    return changed
-
-
-def _gguf_quantizer(model):
-    q = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(q, "quantization_config", None), "quant_method", None)
-    return q if str(getattr(method, "value", method)).lower() == "gguf" else None
-
-
-def clear_stale_gguf_quantizer(model) -> str | None:
-    """Make a GGUF-loaded model trainable when its weights really are plain floats; returns what was done.
-
-    transformers dequantizes GGUF tensors into ordinary ``nn.Linear`` weights, yet (5.x, legacy
-    architectures such as llama) keeps a ``GgufHfQuantizer`` on the model whose ``is_trainable`` is
-    False, so ``Trainer.__init__`` refuses it even with LoRA attached. The flag is stale: we drop it
-    with the quantizer's own ``remove_quantization_config`` (what transformers does itself for
-    ``GgufConfig(dequantize=True)``), only after checking that no packed GGUF layer and no integer
-    weight is left. Raises where weights are still packed: those cannot be trained.
-    """
-    import torch
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    q = _gguf_quantizer(base)
-    if q is None:
-        return None
-    packed = [n for n, m in base.named_modules() if "gguf" in type(m).__name__.lower() or "ggml" in type(m).__name__.lower()]
-    packed += [n for n, p in base.named_parameters() if not p.is_floating_point()]
-    if packed or getattr(q, "packed_modules", None):
-        raise ValueError(
-            f"this GGUF model keeps {len(packed) or len(q.packed_modules)} weight(s) packed in GGUF blocks "
-            f"(e.g. {(packed or list(q.packed_modules))[:3]}), which cannot be trained; fix: load it dequantized with "
-            "hf_speedup.load_model(path_to.gguf) or from_pretrained(..., gguf_file=..., "
-            "quantization_config=GgufConfig(dequantize=True))"
-        )
-    if hasattr(q, "remove_quantization_config"):
-        q.remove_quantization_config(base)
-    else:  # older transformers: the same three attributes by hand
-        for attr in ("hf_quantizer", "quantization_method"):
-            if hasattr(base, attr):
-                delattr(base, attr)
-        if hasattr(base.config, "quantization_config"):
-            del base.config.quantization_config
-        base.is_quantized = False
-    for m in base.modules():  # transformers marks every sub-model's config as quantized too
-        cfg = getattr(m, "config", None)
-        if getattr(cfg, "_is_quantized", False):
-            cfg._is_quantized = False
-    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in base.parameters() if isinstance(p, torch.Tensor)})
-    return f"GGUF weights were dequantized to {'/'.join(dtypes)} at load; the stale GGUF quantizer flag was cleared"
-
-
-def gguf_dequantize_config():
-    """``GgufConfig(dequantize=True)`` where transformers has it (5.x); None where GGUF is always dequantized."""
-    try:
-        from transformers import GgufConfig
-    except ImportError:
-        return None
-    return GgufConfig(dequantize=True)
-
-
 # --------------------------------------------------------------------------- oneDNN matmul routing
-# (appended for features/regional_compile.py)
 #
 # torch >= 2.9 reads ``torch.backends.mkldnn.matmul.fp32_precision`` ("ieee" | "bf16" | "tf32" | "none") on
 # every fp32 CPU matmul; "bf16" routes aten::mm through oneDNN's matmul (which may down-convert only where the
@@ -381,8 +242,6 @@ def gguf_dequantize_config():
 
 def mkldnn_matmul_precision_api():
     """``(get, set)`` callables for oneDNN's fp32 matmul precision, or None where torch lacks the API."""
-    import torch
-
     getter = getattr(torch._C, "_get_fp32_precision_getter", None)
     setter = getattr(torch._C, "_set_fp32_precision_setter", None)
     if getter is None or setter is None or not torch.backends.mkldnn.is_available():

@@ -217,7 +217,7 @@ class SpeedupConfig:
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
             if key == "base":
-                continue  # resolved by presets.load_config
+                continue  # resolved by presets.resolve (a preset to start from)
             if key not in top_allowed:
                 problems.append(_unknown(key, top_allowed))
                 continue
@@ -252,12 +252,6 @@ class SpeedupConfig:
         if path is not None:
             Path(path).write_text(text)
         return text
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "SpeedupConfig":
-        from .presets import load_config
-
-        return load_config(path)
 
     def replace(self, **sections: dict) -> "SpeedupConfig":
         """Copy with some sections updated, e.g. ``cfg.replace(compile={"backend": "eager"})``."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import asdict, dataclass, field
-
-from .peak_flops import peak_flops_for
+import platform
+import shutil
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,6 @@ class Capabilities:
     local_rank: int = 0
     cpu_threads: int = 1
     torch_version: str = ""
-    peak_flops: dict = field(default_factory=dict)  # dtype -> FLOP/s (empty when unknown)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,8 +68,6 @@ def _bitsandbytes(cuda: bool) -> tuple[bool, str]:
 
 
 def _compile_ok(cuda: bool) -> tuple[bool, str]:
-    import shutil
-
     if cuda:
         if importlib.util.find_spec("triton") is None:
             return False, "inductor on CUDA needs triton, which is not installed"
@@ -96,24 +93,24 @@ def probe() -> Capabilities:
         bf16 = torch.cuda.is_bf16_supported() and cc >= (8, 0)
         bnb, bnb_reason = _bitsandbytes(True)
         comp, comp_reason = _compile_ok(True)
-        peaks = {d: v for d in ("bf16", "fp16", "tf32", "fp32") if (v := peak_flops_for(name, d)) is not None}
         return Capabilities(
             device_type="cuda", device_name=name, device_count=torch.cuda.device_count(), compute_capability=cc,
             bf16=bf16, bf16_reason=f"CUDA compute capability {cc[0]}.{cc[1]}" + ("" if bf16 else " < 8.0: no bf16"),
             fp16=True, tf32=cc >= (8, 0), fused_adamw=True, bitsandbytes=bnb, bitsandbytes_reason=bnb_reason,
-            compile=comp, compile_reason=comp_reason, peak_flops=peaks, **common,
+            compile=comp, compile_reason=comp_reason, **common,
         )
     bf16, bf16_reason = _cpu_bf16()
     bnb, bnb_reason = _bitsandbytes(False)
     comp, comp_reason = _compile_ok(False)
     return Capabilities(
-        device_type="cpu", device_name=_cpu_name(), device_count=0, bf16=bf16, bf16_reason=bf16_reason,
+        device_type="cpu", device_name=cpu_name(), device_count=0, bf16=bf16, bf16_reason=bf16_reason,
         fused_adamw=True, bitsandbytes=bnb, bitsandbytes_reason=bnb_reason, compile=comp,
         compile_reason=comp_reason, **common,
     )
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name: ``device_name`` on CPU, and part of the CPU GEMM choices' cache key."""
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
@@ -121,6 +118,4 @@ def _cpu_name() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or "cpu"

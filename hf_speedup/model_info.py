@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .blocks import block_class_names, find_blocks
+from .blocks import block_class_names, find_blocks, unwrap_model
+from .dtypes import long_name
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class ModelInfo:
 
 def quantization_of(model: nn.Module) -> str | None:
     """How the weights are quantized, as the Trainer sees it (``hf_quantizer``/flags on the HF model)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap_model(model)
     if getattr(base, "is_loaded_in_4bit", False):
         return "4bit"
     if getattr(base, "is_loaded_in_8bit", False):
@@ -51,23 +52,65 @@ def quantization_of(model: nn.Module) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # every parameter, once (tied weights once; 4-bit packed weights unpacked)
+    trainable: int
+    matmul_trainable: int  # non-embedding parameters with requires_grad
+    matmul_frozen: int  # non-embedding parameters without requires_grad
+    embedding: int  # lookup-only parameters (nn.Embedding weights not reused as a matmul weight)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _numel(p) -> int:
+    n = p.numel()
+    # bitsandbytes 4-bit packs two weights per uint8 byte
+    if type(p).__name__ == "Params4bit" or str(getattr(p, "dtype", "")) == "torch.uint8":
+        n *= 2
+    return n
+
+
+def parameter_counts(model) -> ParamCounts:
+    """Parameter counts of the live model, split the way the FLOPs formula needs them."""
+    params = {}
+    for p in model.parameters():
+        params.setdefault(id(p), p)
+    used_as_matmul: set[int] = set()
+    lookup: set[int] = set()
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(w, nn.Parameter):
+            continue
+        if isinstance(m, nn.Embedding):
+            lookup.add(id(w))
+        else:
+            used_as_matmul.add(id(w))
+    lookup_only = lookup - used_as_matmul
+    total = trainable = mm_train = mm_frozen = emb = 0
+    for pid, p in params.items():
+        n = _numel(p)
+        total += n
+        if p.requires_grad:
+            trainable += n
+        if pid in lookup_only:
+            emb += n
+        elif p.requires_grad:
+            mm_train += n
+        else:
+            mm_frozen += n
+    return ParamCounts(total=total, trainable=trainable, matmul_trainable=mm_train, matmul_frozen=mm_frozen,
+                       embedding=emb)
+
+
 def describe_model(model: nn.Module) -> ModelInfo:
     cfg = getattr(model, "config", None)
     text_cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
     blocks = find_blocks(model)
     names = block_class_names(model)
-    total = trainable = emb = 0
-    seen: set[int] = set()
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        n = p.numel() * (2 if p.dtype == torch.uint8 else 1)  # bitsandbytes 4-bit packs two weights per byte
-        total += n
-        trainable += n if p.requires_grad else 0
-    for m in model.modules():
-        if isinstance(m, nn.Embedding):
-            emb += m.weight.numel()
+    counts = parameter_counts(model)
+    emb = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     linear_names: list[str] = []
     for b in blocks[:1]:
         for name, m in b.named_modules():
@@ -75,17 +118,17 @@ def describe_model(model: nn.Module) -> ModelInfo:
                 leaf = name.split(".")[-1]
                 if leaf and leaf not in linear_names and leaf not in ("base_layer",):
                     linear_names.append(leaf)
-    dtype = next((str(p.dtype).replace("torch.", "") for p in model.parameters() if p.is_floating_point()), "float32")
+    dtype = next((long_name(p.dtype) for p in model.parameters() if p.is_floating_point()), "float32")
     return ModelInfo(
-        architecture=type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__,
+        architecture=type(unwrap_model(model)).__name__,
         model_type=str(getattr(cfg, "model_type", "unknown")),
         block_class=names[0] if names else None,
         num_blocks=len(blocks),
         hidden_size=getattr(text_cfg, "hidden_size", None),
         num_layers=getattr(text_cfg, "num_hidden_layers", None),
         vocab_size=getattr(text_cfg, "vocab_size", None),
-        total_parameters=total,
-        trainable_parameters=trainable,
+        total_parameters=counts.total,
+        trainable_parameters=counts.trainable,
         embedding_parameters=emb,
         dtype=dtype,
         is_peft=hasattr(model, "peft_config"),

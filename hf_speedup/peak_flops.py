@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 
+from .dtypes import short_name
+
 OVERRIDE_ENV = "HF_SPEEDUP_PEAK_FLOPS"
 
 _H100_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}
@@ -48,15 +50,9 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     ("mi250x", {"bf16": 383e12, "fp16": 383e12, "fp32": 47.9e12}),
 ]
 
-_DTYPE_ALIASES = {
-    "bfloat16": "bf16", "torch.bfloat16": "bf16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-}
-
-
-def normalize_dtype(dtype: str) -> str:
-    d = str(dtype).lower()
-    return _DTYPE_ALIASES.get(d, d)
+def normalize_dtype(dtype) -> str:
+    """``'bfloat16'``, ``torch.bfloat16``, ``'bf16'`` -> ``'bf16'``; ``'tf32'`` stays (a matmul mode, not a dtype)."""
+    return short_name(dtype.lower() if isinstance(dtype, str) else dtype)
 
 
 def _matches(key: str, name: str) -> bool:

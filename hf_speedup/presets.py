@@ -1,8 +1,7 @@
-"""Named SpeedupConfigs, YAML load/save, and TrainingArguments presets for the stock Trainer."""
+"""Named SpeedupConfigs and YAML load/save: this module only builds configs."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,6 @@ import yaml
 
 from .config import SpeedupConfig, SpeedupConfigError
 
-logger = logging.getLogger("hf_speedup")
 
 # name -> (one-line description with its trade-off, nested overrides of the SpeedupConfig defaults)
 _PRESETS: dict[str, tuple[str, dict]] = {
@@ -86,11 +84,6 @@ _PRESETS: dict[str, tuple[str, dict]] = {
 }
 
 
-def register_preset(name: str, description: str, overrides: dict) -> None:
-    """Add a named preset (used by feature modules such as FSDP that ship their own)."""
-    _PRESETS[name] = (description, overrides)
-
-
 def list_presets() -> dict[str, str]:
     """Preset name -> description."""
     return {name: desc for name, (desc, _) in _PRESETS.items()}
@@ -111,11 +104,29 @@ def load_config(path: str | Path) -> SpeedupConfig:
     path = Path(path)
     if not path.is_file():
         raise SpeedupConfigError([f"speedup = {str(path)!r}: no such file; fix: give an existing .yaml path or a preset name ({', '.join(_PRESETS)})"])
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpeedupConfigError([f"{path}:{where}: not valid YAML ({problem}); fix: correct the YAML syntax "
+                                  "there (sections such as 'compile:' map to indented 'field: value' lines)"]) from None
     if not isinstance(data, dict):
         raise SpeedupConfigError([f"{path}: the YAML is a {type(data).__name__}, not a mapping; fix: write sections such as 'compile:' at the top level"])
+    return from_dict({"name": path.stem, **data}, source=str(path))
+
+
+def from_dict(data: dict, source: str | None = None) -> SpeedupConfig:
+    """A config dict (as in YAML); ``base: PRESET`` starts from that preset and overrides its sections."""
     base = data.get("base")
-    merged = get_preset(base).to_dict() if base else {}
+    if base is None:
+        return SpeedupConfig.from_dict(data)
+    if not isinstance(base, str) or base not in _PRESETS:
+        where = f" (in {source})" if source else ""
+        raise SpeedupConfigError([f"base = {base!r}{where} is not a known preset; allowed: {', '.join(_PRESETS)}; fix: "
+                                  "name the preset to start from, e.g. base: fast, or drop base:"])
+    merged = get_preset(base).to_dict()
     for key, value in data.items():
         if key == "base":
             continue
@@ -123,7 +134,7 @@ def load_config(path: str | Path) -> SpeedupConfig:
             merged[key] = {**merged[key], **value}
         else:
             merged[key] = value
-    merged["name"] = data.get("name", path.stem)
+    merged["name"] = data.get("name", f"{base}+custom")
     return SpeedupConfig.from_dict(merged)
 
 
@@ -134,7 +145,7 @@ def resolve(speedup: Any) -> SpeedupConfig:
     if isinstance(speedup, SpeedupConfig):
         return speedup.validate()
     if isinstance(speedup, dict):
-        return SpeedupConfig.from_dict(speedup)
+        return from_dict(speedup)
     if isinstance(speedup, Path) or (isinstance(speedup, str) and speedup.endswith((".yaml", ".yml"))):
         return load_config(speedup)
     if isinstance(speedup, str):
@@ -143,39 +154,6 @@ def resolve(speedup: Any) -> SpeedupConfig:
         f"speedup = {speedup!r} has type {type(speedup).__name__}; allowed: a preset name ({', '.join(_PRESETS)}), "
         "a SpeedupConfig, a dict or a .yaml path; fix: e.g. speedup='auto'"
     ])
-
-
-def training_arguments(preset: Any = "auto", **kwargs):
-    """A stock ``TrainingArguments`` carrying what TrainingArguments can express of a preset on this machine.
-
-    Features it cannot express (regional compile, LoRA, selective checkpointing, ...) are logged, not
-    dropped silently; use SpeedupTrainer for those.
-    """
-    from transformers import TrainingArguments
-
-    from .compat import replace_args
-    from .features import FEATURES
-    from .plan import build_plan
-
-    kwargs.setdefault("output_dir", "trainer_output")
-    args = TrainingArguments(**kwargs)
-    plan = build_plan(preset, args=args)
-    overrides: dict = {}
-    for feature in FEATURES:
-        decision = plan[feature.NAME]
-        wanted = feature.training_args(decision, args)
-        # a feature that SpeedupTrainer applies to the model may still have a stock-Trainer equivalent
-        if hasattr(feature, "stock_trainer_args"):
-            wanted = {**wanted, **feature.stock_trainer_args(decision, args)}
-        overrides.update({k: v for k, v in wanted.items() if k not in kwargs})  # the caller's values win
-        if feature.NAME in _MODEL_LEVEL and decision.active and not wanted:
-            logger.warning("hf_speedup: %s=%r changes the model itself and cannot be expressed in "
-                           "TrainingArguments; use SpeedupTrainer for it", feature.NAME, decision.applied)
-    return replace_args(args, overrides)
-
-
-# Features applied to the model (not expressible as TrainingArguments when their decision is active).
-_MODEL_LEVEL = {"compile", "lora", "checkpointing", "fsdp"}
 
 
 def write_preset_yamls(folder: str | Path) -> list[Path]:

@@ -8,12 +8,16 @@ from typing import Any
 
 from transformers import Trainer, TrainingArguments
 
-from .compat import clear_stale_gguf_quantizer, replace_args
+from .compat import replace_args
 from .features import FEATURES, Setup
+from .features.fsdp.trainer_hooks import FsdpTrainerMixin
+from .gguf import clear_stale_gguf_quantizer
 from .hardware import probe
-from .plan import build_plan, resolve_config
+from .plan import build_plan
+from .plan_types import Outcome
+from .presets import resolve
 from .report import Report
-from .sharding import FsdpTrainerMixin
+from .report.collector import SpeedupCallback
 
 logger = logging.getLogger("hf_speedup")
 
@@ -26,28 +30,29 @@ class SpeedupTrainer(FsdpTrainerMixin, Trainer):
     """
 
     def __init__(self, *args: Any, speedup: Any = "auto", **kwargs: Any):
-        config = resolve_config(speedup)  # bad input fails here, before any model work
+        config = resolve(speedup)  # bad input fails here, before any model work
         bound = inspect.signature(Trainer.__init__).bind_partial(None, *args, **kwargs).arguments
         bound.pop("self", None)
         model = bound.get("model")
         training_args = bound.get("args") or TrainingArguments(output_dir="trainer_output")
         self.speedup_plan = build_plan(config, probe(), model, training_args)
+        # what apply and verify find, beside the frozen plan; ``speedup_status`` joins the two per feature
+        self.speedup_outcomes = {feature.NAME: Outcome() for feature in FEATURES}
+        self.speedup_status = self.speedup_plan.states(self.speedup_outcomes)
         setup = Setup(model=model, args=training_args, data_collator=bound.get("data_collator"),
                       processing_class=bound.get("processing_class"))
         overrides: dict = {}
         for feature in FEATURES:
             overrides.update(feature.training_args(self.speedup_plan[feature.NAME], training_args))
         for feature in FEATURES:
-            feature.apply(self.speedup_plan[feature.NAME], setup)
+            feature.apply(self.speedup_plan[feature.NAME], setup, self.speedup_outcomes[feature.NAME])
         if setup.model is not None and (note := clear_stale_gguf_quantizer(setup.model)):
             logger.info("hf_speedup: %s", note)  # a dequantized GGUF model trains like any other (LoRA or not)
         bound.update(model=setup.model, args=replace_args(training_args, overrides))
         if setup.data_collator is not None:
             bound["data_collator"] = setup.data_collator
         super().__init__(**bound)
-        self.speedup_report = Report(self.speedup_plan)
-        from .callback import SpeedupCallback
-
+        self.speedup_report = Report(self.speedup_plan, self.speedup_outcomes)
         # Measures and reports the run; ``training_step``/``log`` below feed it. Set it to None (and
         # ``remove_callback`` it) to train without reporting.
         self.speedup_callback = SpeedupCallback(self)
@@ -72,8 +77,8 @@ class SpeedupTrainer(FsdpTrainerMixin, Trainer):
     def verify_speedup(self) -> None:
         """Re-check every feature on the live objects (model, optimizer, args)."""
         for feature in FEATURES:
-            decision = self.speedup_plan[feature.NAME]
+            outcome = self.speedup_outcomes[feature.NAME]
             try:
-                decision.engaged, decision.engaged_reason = feature.verify(decision, self)
+                outcome.engaged, outcome.engaged_reason = feature.verify(self.speedup_plan[feature.NAME], self, outcome)
             except Exception as exc:  # a verifier must never break training; say why instead
-                decision.engaged, decision.engaged_reason = False, f"verification failed: {exc!r}"
+                outcome.engaged, outcome.engaged_reason = False, f"verification failed: {exc!r}"

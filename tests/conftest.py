@@ -64,8 +64,7 @@ def fake_caps(**kw):
 
 
 CUDA_H100 = dict(device_type="cuda", device_name="NVIDIA H100 80GB HBM3", device_count=1, compute_capability=(9, 0),
-                 bf16=True, fp16=True, tf32=True, fused_adamw=True, bitsandbytes=True, compile=True,
-                 peak_flops={"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12})
+                 bf16=True, fp16=True, tf32=True, fused_adamw=True, bitsandbytes=True, compile=True)
 CUDA_V100 = dict(device_type="cuda", device_name="Tesla V100-SXM2-16GB", device_count=1, compute_capability=(7, 0),
                  bf16=False, fp16=True, tf32=False, fused_adamw=True, bitsandbytes=True, compile=True)
 CPU_NO_BF16 = dict(device_type="cpu", device_name="AMD EPYC", bf16=False, bitsandbytes=False, compile=True,

@@ -7,12 +7,19 @@ dynamo / parallelism plugins are built from that environment: what a training pr
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import yaml
 
+from hf_speedup import build_plan
 from hf_speedup.accelerate_config import SHIPPED, accelerate_config_dict, write_accelerate_config
 from hf_speedup.config import SpeedupConfigError
+from hf_speedup.features.fsdp.settings import launch_file_fsdp_config
+from hf_speedup.presets import get_preset
+
+from conftest import CUDA_H100, fake_caps
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = ROOT / "configs" / "accelerate"
@@ -55,8 +62,6 @@ def _launch_env(path: Path, monkeypatch) -> tuple[object, dict]:
 
     parser = launch_command_parser()
     dests = {a.dest for a in parser._actions}
-    import yaml
-
     raw = yaml.safe_load(path.read_text())
     for section in ("fsdp_config", "dynamo_config", "parallelism_config"):
         for key in raw.get(section) or {}:
@@ -111,13 +116,28 @@ def test_shipped_yaml_gives_the_processes_what_it_says(path, monkeypatch):
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_yaml_is_what_the_generator_writes(name, tmp_path):
     """The files never drift from hf_speedup.accelerate_config (regenerate: write_shipped_configs())."""
-    from hf_speedup.presets import get_preset
-
     preset, overrides, n, m = SHIPPED[name]
     cfg = get_preset(preset).replace(**overrides) if overrides else get_preset(preset)
     cfg.name = preset
     out = write_accelerate_config(cfg, n, m, tmp_path / f"{name}.yaml", name=name)
     assert out.read_text() == (FOLDER / f"{name}.yaml").read_text()
+
+
+@pytest.mark.parametrize("name", sorted(n for n in SHIPPED if SHIPPED[n][0].startswith("fsdp")))
+def test_shipped_fsdp_options_are_what_a_launched_run_decides(name, monkeypatch):
+    """The files and the Trainer path share one producer: the plan of a run launched on that layout."""
+    preset, overrides, n, m = SHIPPED[name]
+    for var in [v for v in os.environ if v.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(n // m))
+    cfg = get_preset(preset).replace(**overrides) if overrides else get_preset(preset)
+    decided = build_plan(cfg, fake_caps(**{**CUDA_H100, "world_size": n}))["fsdp"].settings
+    shipped = yaml.safe_load((FOLDER / f"{name}.yaml").read_text())
+    assert launch_file_fsdp_config(decided) == shipped["fsdp_config"]
+    hsdp = shipped.get("parallelism_config")
+    assert decided.parallelism == (
+        (hsdp["parallelism_config_dp_replicate_size"], hsdp["parallelism_config_dp_shard_size"]) if hsdp else None)
 
 
 def test_multinode_yaml_marks_its_placeholders():
@@ -148,8 +168,6 @@ def test_non_fsdp_presets_give_ddp_or_single_process():
 
 
 def test_no_shard_needs_fsdp1_through_accelerate():
-    from hf_speedup.presets import get_preset
-
     d = accelerate_config_dict(get_preset("fsdp").replace(fsdp={"strategy": "no_shard"}), 8)
     assert d["fsdp_config"]["fsdp_version"] == 1
     assert d["fsdp_config"]["fsdp_reshard_after_forward"] == "NO_SHARD"

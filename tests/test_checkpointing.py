@@ -8,8 +8,9 @@ from conftest import CPU_NO_BF16, fake_caps
 
 from hf_speedup import SpeedupTrainer, build_plan, get_preset
 from hf_speedup.features import Setup, checkpointing
+from hf_speedup.features import fsdp as fsdp_feature
 from hf_speedup.model_info import describe_model
-from hf_speedup.plan import Decision, PlanContext
+from hf_speedup.plan_types import Decision, Outcome, PlanContext
 
 
 def ckpt_cfg(every_n=1, enabled=True, **sections):
@@ -26,9 +27,9 @@ def decide(cfg, model=None, args=None, fsdp=None):
 
 def applied(model, every_n=1):
     d = build_plan(ckpt_cfg(every_n), caps=fake_caps(**CPU_NO_BF16), model=model)["checkpointing"]
-    setup = Setup(model=model, args=None)
-    checkpointing.apply(d, setup)
-    return setup.model, d
+    setup, outcome = Setup(model=model, args=None), Outcome()
+    checkpointing.apply(d, setup, outcome)
+    return setup.model, d, outcome
 
 
 class _T:  # the part of a Trainer verify reads
@@ -45,24 +46,24 @@ def test_off_by_default_and_auto_off_with_reason(tiny_model):
 
 def test_every_block_and_every_second_block(tiny_model):
     d1 = decide(ckpt_cfg(1), tiny_model)
-    assert (d1.applied, d1.settings["blocks"]) == ("non-reentrant", [0, 1, 2, 3])
+    assert (d1.applied, d1.settings.blocks) == ("non-reentrant", (0, 1, 2, 3))
     d2 = decide(ckpt_cfg(2), tiny_model)
-    assert (d2.applied, d2.settings["blocks"]) == ("non-reentrant, every 2 blocks", [0, 2])
+    assert (d2.applied, d2.settings.blocks) == ("non-reentrant, every 2 blocks", (0, 2))
     assert "2/4 LlamaDecoderLayer blocks (every 2nd), non-reentrant, use_cache off" in d2.reason
-    assert decide(ckpt_cfg(3), tiny_model).settings["blocks"] == [0, 3]
+    assert decide(ckpt_cfg(3), tiny_model).settings.blocks == (0, 3)
 
 
 def test_fsdp_checkpointing_is_not_repeated_here(tiny_model, make_args):
-    fsdp = Decision("fsdp", requested=True, applied="full_shard", reason="", settings={"activation_checkpointing": True})
+    fsdp = Decision("fsdp", requested=True, applied="full_shard", reason="", settings=fsdp_feature.Settings(activation_checkpointing=True))
     d = decide(ckpt_cfg(1), tiny_model, make_args(gradient_checkpointing=True), fsdp=fsdp)
     assert d.applied == "by fsdp" and "FSDP" in d.reason
     assert checkpointing.training_args(d, make_args(gradient_checkpointing=True)) == {
         "activation_checkpointing": False, "gradient_checkpointing": False}
-    setup = Setup(model=tiny_model, args=None)
-    checkpointing.apply(d, setup)
+    setup, outcome = Setup(model=tiny_model, args=None), Outcome()
+    checkpointing.apply(d, setup, outcome)
     assert checkpointing.checkpointed_blocks(tiny_model) == []  # apply left it to FSDP
-    no_ac = Decision("fsdp", requested=True, applied="full_shard", reason="", settings={"activation_checkpointing": False})
-    assert decide(ckpt_cfg(1), tiny_model, fsdp=no_ac).settings["by"] == "hf_speedup"
+    no_ac = Decision("fsdp", requested=True, applied="full_shard", reason="", settings=fsdp_feature.Settings(activation_checkpointing=False))
+    assert decide(ckpt_cfg(1), tiny_model, fsdp=no_ac).settings.by == "hf_speedup"
 
 
 def test_users_trainingarguments_flag_is_handled_explicitly(tiny_model, make_args):
@@ -70,10 +71,10 @@ def test_users_trainingarguments_flag_is_handled_explicitly(tiny_model, make_arg
     stock = decide(get_preset("baseline"), tiny_model, on)  # baseline: the stock Trainer does it
     assert stock.applied == "by trainer" and checkpointing.training_args(stock, on) == {}
     taken = decide(ckpt_cfg(2), tiny_model, on)  # ours: per block here, the Trainer's switch off
-    assert taken.settings["by"] == "hf_speedup" and "taken over from TrainingArguments" in taken.reason
+    assert taken.settings.by == "hf_speedup" and "taken over from TrainingArguments" in taken.reason
     assert checkpointing.training_args(taken, on) == {"activation_checkpointing": False, "gradient_checkpointing": False}
     assert checkpointing.training_args(taken, make_args()) == {}
-    assert decide(ckpt_cfg(enabled="auto"), tiny_model, on).settings["by"] == "hf_speedup"
+    assert decide(ckpt_cfg(enabled="auto"), tiny_model, on).settings.by == "hf_speedup"
 
 
 def test_stock_trainer_equivalent_for_trainingarguments_presets(tiny_model, make_args, dataset, collator):
@@ -94,7 +95,7 @@ def test_trainer_runs_every_nth_block_even_when_args_asked_for_all(tiny_model, m
                              train_dataset=dataset, data_collator=collator, speedup=ckpt_cfg(2))
     assert trainer.args.gradient_checkpointing is False
     assert checkpointing.checkpointed_blocks(trainer.model) == [0, 2]
-    d = trainer.speedup_plan["checkpointing"]
+    d = trainer.speedup_status["checkpointing"]
     assert d.engaged, d.engaged_reason
     assert "2/4 LlamaDecoderLayer blocks (0, 2, every 2nd), non-reentrant" in d.engaged_reason
     assert "recomputed exactly blocks 0, 2" in d.engaged_reason
@@ -104,20 +105,20 @@ def test_trainer_runs_every_nth_block_even_when_args_asked_for_all(tiny_model, m
 def test_stock_trainer_checkpointing_is_reported(tiny_model, make_args, dataset, collator):
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(gradient_checkpointing=True), train_dataset=dataset,
                              data_collator=collator, speedup="baseline")
-    d = trainer.speedup_plan["checkpointing"]
+    d = trainer.speedup_status["checkpointing"]
     assert d.applied == "by trainer" and not d.engaged  # the Trainer only switches it on in train()
     assert d.engaged_reason == "the stock Trainer turns it on when train() starts; not on yet"
     trainer.train()
-    ok, why = checkpointing.verify(d, trainer)
+    ok, why = checkpointing.verify(trainer.speedup_plan["checkpointing"], trainer, trainer.speedup_outcomes["checkpointing"])
     assert ok and why.startswith("4/4 LlamaDecoderLayer blocks (0, 1, 2, 3), non-reentrant"), why
 
 
 # ----------------------------------------------------------------------------------------- behaviour
 @pytest.mark.parametrize("every_n, expected", [(1, {0: 2, 1: 2, 2: 2, 3: 2}), (2, {0: 2, 1: 1, 2: 2, 3: 1})])
 def test_recomputes_exactly_the_chosen_blocks(tiny_model, every_n, expected):
-    model, d = applied(tiny_model, every_n)
+    model, d, outcome = applied(tiny_model, every_n)
     assert checkpointing.count_block_runs(model) == expected
-    ok, why = checkpointing.verify(d, _T(model))
+    ok, why = checkpointing.verify(d, _T(model), outcome)
     assert ok, why
     assert not tiny_model.config.use_cache
 
@@ -128,11 +129,11 @@ def test_without_checkpointing_every_block_runs_once(tiny_model):
 
 def test_verify_fails_when_the_blocks_are_not_checkpointed(tiny_model):
     d = decide(ckpt_cfg(2), tiny_model)  # decided, never applied
-    ok, why = checkpointing.verify(d, _T(tiny_model))
+    ok, why = checkpointing.verify(d, _T(tiny_model), Outcome())
     assert not ok and why == "no block has checkpointing on (0/4)"
-    model, d = applied(tiny_model, 2)
-    d.settings["blocks"] = [0, 1, 2, 3]  # claim more than is there: the probe must disagree
-    ok, why = checkpointing.verify(d, _T(model))
+    model, d, outcome = applied(tiny_model, 2)
+    outcome.facts["blocks"] = [0, 1, 2, 3]  # claim more than is there: the probe must disagree
+    ok, why = checkpointing.verify(d, _T(model), outcome)
     assert not ok and "recomputed blocks [0, 2], expected [0, 1, 2, 3]" in why
 
 
@@ -155,7 +156,7 @@ def test_grads_match_no_checkpointing(every_n, dataset, collator):
     kw = dict(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               attention_dropout=0.1)  # dropout: recomputation must replay the same RNG
     batch = _batch(dataset, collator)
-    plain, (model, _) = tiny_llama(**kw), applied(tiny_llama(**kw), every_n)
+    plain, (model, _, _) = tiny_llama(**kw), applied(tiny_llama(**kw), every_n)
     torch.manual_seed(1)
     ref_loss, ref = _loss_and_grads(plain, batch)
     torch.manual_seed(1)
@@ -172,7 +173,7 @@ def test_lora_and_checkpointing_train_together(tiny_model, make_args, dataset, c
     cfg = ckpt_cfg(2, lora={"enabled": True, "dropout": 0.0})
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=4), train_dataset=dataset,
                              data_collator=collator, speedup=cfg)
-    plan = trainer.speedup_plan
+    plan = trainer.speedup_status
     assert plan["lora"].engaged and plan["checkpointing"].engaged, plan["checkpointing"].engaged_reason
     # The same adapters without checkpointing give the same gradients (non-reentrant needs no input-grad hook).
     ref = SpeedupTrainer(model=tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -241,12 +242,12 @@ def test_verification_probe_does_not_compile(dataset, collator):
     from hf_speedup.tiny import tiny_llama
 
     torch._dynamo.reset()
-    model, d = applied(tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                  num_key_value_heads=2), 2)
+    model, d, outcome = applied(tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                           num_key_value_heads=2), 2)
     for b in find_blocks(model):
         b.compile(backend="aot_eager")
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    ok, why = checkpointing.verify(d, _T(model))
+    ok, why = checkpointing.verify(d, _T(model), outcome)
     assert ok, why
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
 
@@ -283,13 +284,14 @@ def test_plain_module_blocks_get_a_checkpointed_forward():
     ref, model = _Plain(), _Plain()
     model.load_state_dict(ref.state_dict())
     d = decide(ckpt_cfg(2), model)
-    checkpointing.apply(d, Setup(model=model, args=None))
-    assert d.settings["mechanism"] == "forward wrapper" and checkpointing.checkpointed_blocks(model) == [0, 2]
+    outcome = Outcome()
+    checkpointing.apply(d, Setup(model=model, args=None), outcome)
+    assert outcome.facts["mechanism"] == "forward wrapper" and checkpointing.checkpointed_blocks(model) == [0, 2]
     assert checkpointing.count_block_runs(model) == {0: 2, 1: 1, 2: 2, 3: 1}
     x = torch.randint(0, 32, (2, 5))
     for m in (ref, model):
         m(x)[0].square().mean().backward()
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=n)
-    ok, why = checkpointing.verify(d, _T(model))
+    ok, why = checkpointing.verify(d, _T(model), outcome)
     assert ok and why.startswith("2/4 _Block blocks (0, 2, every 2nd), non-reentrant"), why

@@ -7,6 +7,7 @@ runs inductor for real.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -15,8 +16,9 @@ import torch
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 from hf_speedup import SpeedupTrainer, build_plan, get_preset
 from hf_speedup.features import Setup
-from hf_speedup.features import regional_compile as rc
+from hf_speedup.features import compile as rc
 from hf_speedup.model_info import ModelInfo
+from hf_speedup.plan_types import FeatureState, Outcome
 
 TINY_INFO = ModelInfo(architecture="LlamaForCausalLM", block_class="LlamaDecoderLayer", num_blocks=4)
 
@@ -26,16 +28,16 @@ def compile_cfg(**compile):
 
 
 def compiled(model, **compile):
-    """Plan + apply regional compile on ``model`` (CPU capabilities), returning the decision.
+    """Plan + apply regional compile on ``model`` (CPU capabilities), returning the decision and its outcome.
 
     ``use_cache`` off as the Trainer sets it (``args.use_cache``): a KV cache in training makes dynamo
     specialise on each block's ``layer_idx``.
     """
     model.config.use_cache = False
     plan = build_plan(compile_cfg(**compile), fake_caps(**CPU_NO_BF16), model)
-    decision = plan["compile"]
-    rc.apply(decision, Setup(model=model, args=None))
-    return decision
+    decision, outcome = plan["compile"], Outcome()
+    rc.apply(decision, Setup(model=model, args=None), outcome)
+    return decision, outcome
 
 
 def batch(tokenizer, lengths, vocab=64, seed=0):
@@ -77,9 +79,10 @@ class TestDecide:
     def test_auto_is_on_for_cuda_with_triton(self):
         d = build_plan(get_preset("auto"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
         assert d.applied == "blocks:inductor"
-        assert d.settings == {"backend": "inductor", "mode": None, "dynamic": None, "fullgraph": False,
-                              "regions": "blocks", "block_class": "LlamaDecoderLayer", "num_blocks": 4,
-                              "cpu_gemm": "default"}
+        assert isinstance(d.settings, rc.Settings)
+        assert dataclasses.asdict(d.settings) == {"backend": "inductor", "mode": None, "dynamic": None, "fullgraph": False,
+                                                  "regions": "blocks", "block_class": "LlamaDecoderLayer",
+                                                  "num_blocks": 4, "cpu_gemm": "default"}
         assert "4 x LlamaDecoderLayer compiled in place" in d.reason
 
     def test_auto_is_off_on_cpu_and_points_to_fast(self):
@@ -91,7 +94,7 @@ class TestDecide:
         d = build_plan(compile_cfg(backend="inductor", mode="max-autotune", regions="blocks+head"),
                        fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
         assert d.applied == "blocks+head:inductor"
-        assert d.settings["mode"] == "max-autotune" and d.settings["regions"] == "blocks+head"
+        assert d.settings.mode == "max-autotune" and d.settings.regions == "blocks+head"
         assert "final norm, lm_head and loss" in d.reason
 
     def test_disabled(self):
@@ -130,7 +133,7 @@ class TestDecide:
         assert "recompiles" not in build_plan(cfg, fake_caps(**CUDA_H100), TINY_INFO)["compile"].reason
 
     def test_notes_lora_and_checkpointing_from_earlier_decisions(self, tiny_model):
-        from hf_speedup.plan import Decision, PlanContext
+        from hf_speedup.plan_types import Decision, PlanContext
 
         ctx = PlanContext(config=compile_cfg(), caps=fake_caps(**CUDA_H100), model=TINY_INFO, args=None)
         ctx.decisions["lora"] = Decision("lora", True, "lora", "r=16")
@@ -151,7 +154,7 @@ class TestApply:
     def test_blocks_compiled_in_place_and_outputs_unchanged(self, tiny_model, tokenizer):
         reference = copy.deepcopy(tiny_model)
         layers = list(tiny_model.model.layers)
-        decision = compiled(tiny_model)
+        decision, outcome = compiled(tiny_model)
         assert list(tiny_model.model.layers) == layers  # same objects: no OptimizedModule wrappers
         assert all(isinstance(b._compiled_call_impl, rc.GuardedRegion) for b in layers)
         assert "_orig_mod" not in "".join(tiny_model.state_dict())
@@ -161,24 +164,24 @@ class TestApply:
         torch.testing.assert_close(loss, ref_loss)
         assert_same_grads(grads, ref_grads)
         assert rc.compile_stats(tiny_model)["compiles"] >= 1
-        assert decision.settings["compiled_head"] == []
+        assert outcome.facts["compiled_head"] == []
 
     def test_apply_is_idempotent(self, tiny_model):
-        decision = compiled(tiny_model)
+        decision, outcome = compiled(tiny_model)
         regions = [b._compiled_call_impl for b in tiny_model.model.layers]
-        rc.apply(decision, Setup(model=tiny_model, args=None))
+        rc.apply(decision, Setup(model=tiny_model, args=None), outcome)
         assert [b._compiled_call_impl for b in tiny_model.model.layers] == regions
         assert len(rc.guarded_regions(tiny_model)) == 4
 
     def test_off_decision_is_a_no_op(self, tiny_model):
         d = build_plan(get_preset("baseline"), fake_caps(**CPU_NO_BF16), tiny_model)["compile"]
-        rc.apply(d, Setup(model=tiny_model, args=None))
+        rc.apply(d, Setup(model=tiny_model, args=None), Outcome())
         assert all(b._compiled_call_impl is None for b in tiny_model.model.layers)
 
     def test_head_regions_compile_norm_lm_head_and_loss(self, tiny_model, tokenizer):
         reference = copy.deepcopy(tiny_model)
-        decision = compiled(tiny_model, backend="aot_eager", regions="blocks+head")
-        assert decision.settings["compiled_head"] == ["final_norm", "lm_head", "loss"]
+        decision, outcome = compiled(tiny_model, backend="aot_eager", regions="blocks+head")
+        assert outcome.facts["compiled_head"] == ["final_norm", "lm_head", "loss"]
         kinds = sorted(r.kind for r in rc.guarded_regions(tiny_model))
         assert kinds == ["LlamaDecoderLayer"] * 4 + ["final_norm", "lm_head", "loss"]
         inputs = batch(tokenizer, [10, 10])
@@ -242,7 +245,7 @@ class TestFallback:
 
     def test_trainer_goes_on_and_report_names_the_fallen_blocks(self, tiny_model, dataset, collator, make_args,
                                                                monkeypatch):
-        monkeypatch.setattr(rc, "compile_kwargs_of", lambda d: {"backend": failing_backend})
+        monkeypatch.setattr(rc, "compile_kwargs_of", lambda d, cpu_gemm=None: {"backend": failing_backend})
         trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=2), train_dataset=dataset,
                                  data_collator=collator, speedup=compile_cfg())
         trainer.train()
@@ -288,8 +291,8 @@ class TestComposition:
         peft_model = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                            init_lora_weights=False))
         reference = copy.deepcopy(peft_model)
-        decision = compiled(peft_model, backend="aot_eager")
-        assert decision.settings["num_blocks"] == 4
+        decision, _ = compiled(peft_model, backend="aot_eager")
+        assert decision.settings.num_blocks == 4
         blocks = rc.guarded_regions(peft_model)
         assert len(blocks) == 4
         inputs = batch(tokenizer, [12, 12])
@@ -329,14 +332,14 @@ class TestVerify:
     def test_verify_reports_off_decisions_as_not_engaged(self, tiny_model, dataset, collator, make_args):
         trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
                                  data_collator=collator, speedup="baseline")
-        engaged, reason = rc.verify(trainer.speedup_plan["compile"], trainer)
+        engaged, reason = rc.verify(trainer.speedup_plan["compile"], trainer, trainer.speedup_outcomes["compile"])
         assert engaged is False and reason == "compile.enabled = false"
 
     def test_verify_reads_the_live_model_not_the_plan(self, tiny_model, dataset, collator, make_args):
         trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
                                  data_collator=collator, speedup=compile_cfg())
         tiny_model.model.layers[2]._compiled_call_impl = None  # someone undid one block
-        engaged, reason = rc.verify(trainer.speedup_plan["compile"], trainer)
+        engaged, reason = rc.verify(trainer.speedup_plan["compile"], trainer, trainer.speedup_outcomes["compile"])
         assert engaged is False and reason.startswith("3/4 LlamaDecoderLayer blocks compiled")
 
 
@@ -344,11 +347,11 @@ class TestVerify:
 class TestCpuGemm:
     def test_fast_preset_autotunes_gemms_on_cpu_only(self):
         cpu = build_plan(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
-        assert cpu.settings["cpu_gemm"] == "autotune" and "MKL or oneDNN" in cpu.reason
+        assert cpu.settings.cpu_gemm == "autotune" and "MKL or oneDNN" in cpu.reason
         cuda = build_plan(get_preset("fast"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
-        assert cuda.settings["cpu_gemm"] == "default" and "oneDNN" not in cuda.reason
+        assert cuda.settings.cpu_gemm == "default" and "oneDNN" not in cuda.reason
         default_mode = build_plan(compile_cfg(backend="inductor"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
-        assert default_mode.settings["cpu_gemm"] == "default"
+        assert default_mode.settings.cpu_gemm == "default"
 
     def test_compile_kwargs_carry_the_mode_as_options_plus_the_pass(self):
         d = build_plan(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
@@ -371,7 +374,7 @@ class TestCpuGemm:
             assert "cannot route fp32 matmuls to oneDNN" in why or "could not run here" in why, why
 
     def test_onednn_is_refused_where_it_would_round_to_bf16(self, monkeypatch):
-        monkeypatch.setattr(rc, "_onednn_mm", lambda a, b: torch.mm(a.bfloat16().float(), b.bfloat16().float()))
+        monkeypatch.setattr(rc, "onednn_mm", lambda a, b: torch.mm(a.bfloat16().float(), b.bfloat16().float()))
         ok, why = rc.onednn_fp32_ok()
         assert not ok and "would round fp32 GEMMs to bf16" in why
 
@@ -380,17 +383,19 @@ class TestCpuGemm:
 
         monkeypatch.setattr(compat, "mkldnn_matmul_precision_api", lambda: None)
         d = build_plan(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
-        rc._settle_cpu_gemm(d)
-        assert d.settings["cpu_gemm"] == "default"
-        assert d.fallbacks == [f"cpu_gemm: torch {torch.__version__} cannot route fp32 matmuls to oneDNN (no "
-                               "fp32_precision API); GEMMs stay on the default BLAS"]
-        assert "options" not in rc.compile_kwargs_of(d)
+        outcome = Outcome()
+        cpu_gemm = rc.settle_cpu_gemm(d, outcome)
+        state = FeatureState(d, outcome)
+        assert cpu_gemm == "default" and state.to_dict()["settings"]["cpu_gemm"] == "default"
+        assert state.fallbacks == (f"cpu_gemm: torch {torch.__version__} cannot route fp32 matmuls to oneDNN (no "
+                                   "fp32_precision API); GEMMs stay on the default BLAS",)
+        assert "options" not in rc.compile_kwargs_of(d, cpu_gemm)
 
     def test_pass_swaps_only_the_gemms_where_onednn_won(self, monkeypatch):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         monkeypatch.setattr(rc, "GEMM_CHOICES", {})
-        monkeypatch.setattr(rc, "_benchmark_gemm", lambda key: {"choice": "onednn" if key[0][0][0] == 64 else "default"})
+        monkeypatch.setattr(rc, "benchmark_gemm", lambda key: {"choice": "onednn" if key[0][0][0] == 64 else "default"})
         graph = torch.fx.Graph()
         with FakeTensorMode():
             vals = {"a": torch.empty(64, 32), "b": torch.empty(32, 16), "c": torch.empty(8, 32)}
@@ -411,7 +416,8 @@ class TestCpuGemm:
 def test_inductor_blocks_and_head_match_eager_loss_and_grads(tiny_model, tokenizer):
     """The fast preset's compile settings for real: inductor, max-autotune (CPU GEMM choice), static shapes."""
     reference = copy.deepcopy(tiny_model)
-    decision = compiled(tiny_model, backend="inductor", mode="max-autotune", dynamic=False, regions="blocks+head")
+    decision, outcome = compiled(tiny_model, backend="inductor", mode="max-autotune", dynamic=False,
+                                 regions="blocks+head")
     inputs = batch(tokenizer, [16, 11, 16, 7])
     for _ in range(2):  # second call runs the cached kernels
         loss, grads = loss_and_grads(tiny_model, inputs)
@@ -421,5 +427,5 @@ def test_inductor_blocks_and_head_match_eager_loss_and_grads(tiny_model, tokeniz
     stats = rc.compile_stats(tiny_model)
     assert stats["fallbacks"] == {} and stats["recompiles"] == 0 and stats["compiled_regions"] == 7
     assert decision.applied == "blocks+head:inductor"
-    if decision.settings["cpu_gemm"] == "autotune":  # oneDNN computes fp32 on this CPU: GEMMs were autotuned
+    if FeatureState(decision, outcome).to_dict()["settings"]["cpu_gemm"] == "autotune":  # oneDNN computes fp32 on this CPU: GEMMs were autotuned
         assert sum(rc.GEMM_NODES.values()) > 0 or "cache" in rc.cpu_gemm_summary()

@@ -3,7 +3,7 @@
 import pytest
 
 from hf_speedup import SpeedupConfig, SpeedupConfigError
-from hf_speedup.presets import resolve
+from hf_speedup.presets import load_config, resolve
 
 
 def test_defaults_are_valid():
@@ -59,7 +59,7 @@ def test_yaml_round_trip(tmp_path):
                                    "lora": {"enabled": True, "target_modules": ["q_proj", "v_proj"]}})
     path = tmp_path / "mine.yaml"
     cfg.to_yaml(path)
-    assert SpeedupConfig.from_yaml(path) == cfg
+    assert load_config(path) == cfg
 
 
 def test_replace_updates_one_section_and_validates():

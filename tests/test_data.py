@@ -32,7 +32,7 @@ def test_baseline_changes_nothing(make_args):
 def test_loader_settings_on_cuda_map_to_trainingarguments(make_args):
     d = plan_for(CUDA_H100, num_workers=4, pin_memory=True, prefetch_factor=4, persistent_workers=True,
                  pad_to_multiple_of=8)
-    assert d.fallbacks == []
+    assert d.fallbacks == ()
     assert data.training_args(d, make_args()) == {
         "dataloader_num_workers": 4, "dataloader_pin_memory": True, "dataloader_prefetch_factor": 4,
         "dataloader_persistent_workers": True}
@@ -113,7 +113,7 @@ def test_real_batches_are_padded_to_the_multiple(varlen_dataset, collator, make_
     assert padded_trainer.data_collator is not collator and collator.pad_to_multiple_of is None
     assert all(n % 8 == 0 for n in _lengths(padded_trainer))
     padded_trainer.train()
-    d = padded_trainer.speedup_plan["data"]
+    d = padded_trainer.speedup_status["data"]
     assert d.engaged is True and "DataCollatorForLanguageModeling.pad_to_multiple_of=8" in d.engaged_reason
 
 
@@ -126,13 +126,13 @@ def test_tokenizer_only_gets_the_trainers_default_collator_with_padding(tiny_mod
                              processing_class=tokenizer, speedup=cfg)
     assert type(trainer.data_collator) is DataCollatorWithPadding and trainer.data_collator.pad_to_multiple_of == 16
     assert all(n % 16 == 0 for n in _lengths(trainer, 3))
-    assert trainer.speedup_plan["data"].engaged is True
+    assert trainer.speedup_status["data"].engaged is True
 
 
 def test_no_collator_and_no_tokenizer_is_reported_not_engaged(tiny_model, dataset, make_args):
     cfg = get_preset("baseline").replace(data={"pad_to_multiple_of": 8})
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, speedup=cfg)
-    d = trainer.speedup_plan["data"]
+    d = trainer.speedup_status["data"]
     assert d.engaged is False and d.applied == "off"
     assert "no collator to pad" in d.fallbacks[0] and "no collator to pad" in d.engaged_reason
 
@@ -143,10 +143,10 @@ def test_loader_settings_are_in_the_trainers_args(tiny_model, dataset, collator,
                              speedup=cfg)
     a = trainer.args
     assert (a.dataloader_num_workers, a.dataloader_prefetch_factor, a.dataloader_persistent_workers) == (1, 3, True)
-    d = trainer.speedup_plan["data"]
+    d = trainer.speedup_status["data"]
     assert d.engaged is True and "args.dataloader_prefetch_factor=3" in d.engaged_reason
     trainer.args.dataloader_prefetch_factor = 2  # verify reads the live args, not the plan
-    engaged, reason = data.verify(d, trainer)
+    engaged, reason = data.verify(trainer.speedup_plan["data"], trainer, trainer.speedup_outcomes["data"])
     assert engaged is False and "MISMATCH: planned 3" in reason
 
 
@@ -165,9 +165,10 @@ def test_drop_last_removes_the_odd_sized_last_batch(tokenizer, collator, make_ar
     assert batch_sizes("baseline")[1] == [4, 4, 2]
     trainer, sizes = batch_sizes(get_preset("baseline").replace(data={"drop_last": True}))
     assert sizes == [4, 4] and trainer.args.dataloader_drop_last is True
-    d = trainer.speedup_plan["data"]
+    d = trainer.speedup_status["data"]
     assert d.applied == "drop_last=True" and d.reason.startswith("drop each epoch's last partial batch")
-    assert data.verify(d, trainer) == (True, "args.dataloader_drop_last=True")
+    assert data.verify(trainer.speedup_plan["data"], trainer, trainer.speedup_outcomes["data"]) == (
+        True, "args.dataloader_drop_last=True")
 
 
 def test_fast_preset_drops_the_last_batch_and_baseline_keeps_the_users_choice(make_args):

@@ -9,7 +9,10 @@ import torch
 from hf_speedup import build_plan, get_preset
 from hf_speedup.config import SpeedupConfigError
 from hf_speedup.features import Setup, fsdp
-from hf_speedup.sharding import ShardSpec, _chunks, describe, sharding_summary
+from hf_speedup.features.fsdp import Mesh, MixedPrecision
+from hf_speedup.features.fsdp.shard import ShardSpec
+from hf_speedup.features.fsdp.summary import _chunks, describe, sharding_summary
+from hf_speedup.plan_types import FeatureState, Outcome
 
 from conftest import CUDA_H100, CUDA_V100, fake_caps
 
@@ -56,7 +59,7 @@ def test_one_gpu_needs_a_distributed_launch(monkeypatch):
     assert d.applied == "off" and "torchrun --nproc_per_node 1" in d.reason
     launched(monkeypatch)
     d = build_plan("fsdp", fake_caps(**CUDA_H100))["fsdp"]  # world size 1 under torchrun: legit (NCCL check)
-    assert (d.applied, d.settings["backend"]) == ("fsdp2", "accelerate")
+    assert (d.applied, d.settings.backend) == ("fsdp2", "accelerate")
 
 
 def test_mps_is_refused_with_the_reason():
@@ -85,17 +88,18 @@ def test_8bit_base_cannot_be_sharded(monkeypatch):
 def test_cpu_processes_are_sharded_by_hf_speedup(tiny_model):
     d = build_plan("fsdp", fake_caps(**CPU2), tiny_model)["fsdp"]
     st = d.settings
-    assert (d.applied, st["backend"], st["version"], st["strategy"]) == ("fsdp2", "hf_speedup", 2, "full_shard")
-    assert st["reshard_after_forward"] is True
-    assert st["mesh"] == {"shape": [2], "dim_names": ["dp_shard"]}
-    assert st["wrap"]["block_class"] == "LlamaDecoderLayer" and st["wrap"]["blocks"] == 4
-    assert st["mixed_precision"] is None  # fp32 here: nothing to cast
+    assert (d.applied, st.backend, st.version, st.strategy) == ("fsdp2", "hf_speedup", 2, "full_shard")
+    assert st.reshard_after_forward is True
+    assert st.mesh == Mesh(shape=(2,), dim_names=("dp_shard",))
+    assert FeatureState(d, Outcome()).to_dict()["settings"]["mesh"] == {"shape": [2], "dim_names": ["dp_shard"]}
+    assert st.wrap.block_class == "LlamaDecoderLayer" and st.wrap.blocks == 4
+    assert st.mixed_precision is None  # fp32 here: nothing to cast
     assert fsdp.training_args(d, None) == {}  # TrainingArguments cannot express it: SpeedupTrainer shards
 
 
 def test_fsdp1_on_cpu_becomes_fsdp2_and_says_so():
     d = build_plan(fsdp_cfg(version=1), fake_caps(**CPU2))["fsdp"]
-    assert d.settings["version"] == 2
+    assert d.settings.version == 2
     assert any("fsdp.version 1 -> 2" in f for f in d.fallbacks)
 
 
@@ -108,8 +112,8 @@ def test_fsdp1_on_cpu_becomes_fsdp2_and_says_so():
 def test_strategies_map_to_fsdp2(strategy, reshard, mesh, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     d = build_plan(fsdp_cfg(strategy=strategy), fake_caps(device_type="cpu", world_size=4))["fsdp"]
-    assert d.settings["reshard_after_forward"] is reshard
-    assert d.settings["mesh"]["shape"] == mesh
+    assert d.settings.reshard_after_forward is reshard
+    assert d.settings.mesh.shape == tuple(mesh)
     spec = ShardSpec.from_settings(d.settings)
     assert (spec.mesh_shape, spec.reshard_after_forward) == (tuple(mesh), reshard)
 
@@ -122,7 +126,7 @@ def test_hybrid_needs_equal_processes_per_node(monkeypatch):
 
 def test_hybrid_on_one_node_is_a_full_shard_and_says_so(monkeypatch):
     d = build_plan(fsdp_cfg(strategy="hybrid_shard"), fake_caps(**CPU2))["fsdp"]
-    assert d.settings["mesh"]["shape"] == [1, 2]
+    assert d.settings.mesh.shape == (1, 2)
     assert any("hybrid_shard on one node = full_shard" in f for f in d.fallbacks)
 
 
@@ -133,8 +137,8 @@ def test_launcher_hsdp_topology_is_respected(monkeypatch):
                  "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8"}.items():
         monkeypatch.setenv(k, v)
     d = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 16}))["fsdp"]
-    assert d.settings["strategy"] == "hybrid_shard" and d.settings["parallelism"] == {"dp_replicate_size": 2,
-                                                                                        "dp_shard_size": 8}
+    assert d.settings.strategy == "hybrid_shard"
+    assert d.settings.parallelism == (2, 8)  # (dp_replicate_size, dp_shard_size)
     assert any("full_shard -> hybrid_shard" in f for f in d.fallbacks)
     assert "it differs: fsdp_offload_params=true (preset: false)" in d.reason
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "4")
@@ -144,7 +148,7 @@ def test_launcher_hsdp_topology_is_respected(monkeypatch):
 
 def test_cpu_offload_on_cpu_is_honest():
     d = build_plan("fsdp-offload", fake_caps(**CPU2))["fsdp"]
-    assert d.settings["cpu_offload"] is True
+    assert d.settings.cpu_offload is True
     assert "parameters already live in host memory" in d.reason
 
 
@@ -154,14 +158,14 @@ def test_cuda_uses_accelerate_through_training_arguments(monkeypatch, tiny_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
 
-    from hf_speedup.sharding import FsdpTrainerMixin
+    from hf_speedup.features.fsdp.trainer_hooks import FsdpTrainerMixin
 
     args = make_args(use_cpu=False)  # (use_cpu=True would mean: the CPU path, whatever the machine has)
     launched(monkeypatch)
     plan = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 8}), tiny_model, args)
     d = plan["fsdp"]
-    assert d.settings["backend"] == "accelerate"
-    assert d.settings["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert d.settings.backend == "accelerate"
+    assert d.settings.mixed_precision == MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     over = fsdp.training_args(d, args)
     assert over["fsdp"] is True
     cfg = over["fsdp_config"]
@@ -186,7 +190,7 @@ def test_cuda_uses_accelerate_through_training_arguments(monkeypatch, tiny_model
 def test_fp16_gpu_gets_an_fp16_policy(monkeypatch):
     launched(monkeypatch)
     d = build_plan("fsdp", fake_caps(**{**CUDA_V100, "world_size": 2}))["fsdp"]
-    assert d.settings["mixed_precision"] == {"param_dtype": "float16", "reduce_dtype": "float32"}
+    assert d.settings.mixed_precision == MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
 
 
 def test_no_shard_through_accelerate_falls_back_to_fsdp1(monkeypatch, make_args):
@@ -215,32 +219,32 @@ def test_activation_checkpointing_is_done_once(monkeypatch):
     cfg = get_preset("fsdp").replace(checkpointing={"enabled": True})
     launched(monkeypatch)
     plan = build_plan(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))
-    assert plan["fsdp"].settings["activation_checkpointing"] is True  # FSDP's own, through fsdp_config
+    assert plan["fsdp"].settings.activation_checkpointing is True  # FSDP's own, through fsdp_config
     assert fsdp.training_args(plan["fsdp"], None)["fsdp_config"]["activation_checkpointing"] is True
-    assert plan["checkpointing"].settings.get("by") == "fsdp"  # ... so the checkpointing feature stays out
+    assert plan["checkpointing"].settings.by == "fsdp"  # ... so the checkpointing feature stays out
     monkeypatch.delenv("LOCAL_RANK")
     plan = build_plan(cfg, fake_caps(**CPU2))  # CPU: the checkpointing feature does it, before sharding
-    assert plan["fsdp"].settings["activation_checkpointing"] is False
-    assert plan["fsdp"].settings["activation_checkpointing_by"] == "checkpointing"
-    assert plan["checkpointing"].settings.get("by") == "hf_speedup"
+    assert plan["fsdp"].settings.activation_checkpointing is False
+    assert plan["fsdp"].settings.activation_checkpointing_by == "checkpointing"
+    assert plan["checkpointing"].settings.by == "hf_speedup"
 
 
 def test_selective_checkpointing_stays_with_the_checkpointing_feature(monkeypatch):
     launched(monkeypatch)
     cfg = get_preset("fsdp").replace(checkpointing={"enabled": True, "every_n_blocks": 2})
     d = build_plan(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
-    assert d.settings["activation_checkpointing"] is False
+    assert d.settings.activation_checkpointing is False
     assert "every_n_blocks > 1 is not expressible in fsdp_config" in d.reason
 
 
 def test_qlora_under_fsdp_publishes_the_storage_dtype(monkeypatch):
     launched(monkeypatch)
     plan = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 2}))
-    assert "qlora" not in plan["fsdp"].settings
+    assert plan["fsdp"].settings.qlora_quant_storage is None
     cfg = get_preset("fsdp").replace(lora={"enabled": True, "quantization": "4bit"})
     d = build_plan(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
-    assert d.settings["qlora"]["bnb_4bit_quant_storage"] == "bfloat16"
-    assert d.settings["lora"] is True and d.settings["cpu_ram_efficient_loading"] is True
+    assert d.settings.qlora_quant_storage is torch.bfloat16
+    assert d.settings.lora is True and d.settings.cpu_ram_efficient_loading is True
     assert "FSDP_CPU_RAM_EFFICIENT_LOADING=true before from_pretrained" in d.reason
 
 
@@ -251,7 +255,7 @@ def test_uint8_4bit_storage_is_refused_with_the_fix(tiny_model):
     tiny_model.model.layers[0].mlp.up_proj.weight = Params4bit(torch.zeros(8, dtype=torch.uint8), requires_grad=False)
     d = build_plan("fsdp", fake_caps(**CPU2), tiny_model)["fsdp"]
     with pytest.raises(SpeedupConfigError, match=r"stored as uint8.*bnb_4bit_quant_storage=torch\.bfloat16"):
-        fsdp.apply(d, Setup(model=tiny_model, args=None))
+        fsdp.apply(d, Setup(model=tiny_model, args=None), Outcome())
 
 
 # ------------------------------------------------------------------------------------------ verification
@@ -261,13 +265,13 @@ def test_verify_refuses_an_unsharded_model(tiny_model):
         model_wrapped = tiny_model
 
     d = build_plan("fsdp", fake_caps(**CPU2), tiny_model)["fsdp"]
-    assert fsdp.verify(d, FakeTrainer()) == (False, "NOT sharded: no parameter is a DTensor")
+    assert fsdp.verify(d, FakeTrainer(), Outcome()) == (False, "NOT sharded: no parameter is a DTensor")
 
     class DistributedDataParallel(torch.nn.Module):  # what the stock Trainer wraps the model in
         pass
 
     FakeTrainer.model_wrapped = DistributedDataParallel()
-    engaged, reason = fsdp.verify(d, FakeTrainer())
+    engaged, reason = fsdp.verify(d, FakeTrainer(), Outcome())
     assert not engaged and reason == "NOT sharded: the Trainer wrapped the model in DistributedDataParallel"
 
 
@@ -308,7 +312,7 @@ def test_launcher_hsdp_conflicts_with_no_shard(monkeypatch):
 
 def test_use_cpu_on_a_gpu_machine_takes_the_cpu_path(make_args):
     d = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 2}), args=make_args(use_cpu=True))["fsdp"]
-    assert d.settings["backend"] == "hf_speedup"
+    assert d.settings.backend == "hf_speedup"
 
 
 def test_fsdp_arguments_for_old_and_new_transformers():

@@ -213,7 +213,7 @@ def test_gradient_accumulation_gives_the_same_steps(run):
 def test_bf16_uses_an_fsdp2_mixed_precision_policy(run):
     _, ranks = run
     bf = ranks[0]["strategies"]["bf16"]
-    assert bf["decision"]["settings"]["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert bf["decision"]["settings"]["mixed_precision"] == {"param_dtype": "bf16", "reduce_dtype": "fp32"}
     assert bf["decision"]["engaged"] is True and bf["precision"]["engaged"] is True  # autocast in force too
     assert bf["summary"]["sharded"]
     assert abs(bf["losses"]["1"] - ranks[0]["main"]["losses"]["1"]) < 3e-2
@@ -248,7 +248,7 @@ def test_accelerate_launch_with_the_shipped_fsdp2_yaml(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_regional_compile_composes_with_fsdp2(tmp_path, run):
+def test_compile_composes_with_fsdp2(tmp_path, run):
     """Inductor-compiled blocks (in place) sharded afterwards: same losses as the eager sharded run."""
     out = tmp_path / "compile"
     ranks = _launch([_exe("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out),

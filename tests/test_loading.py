@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
 from conftest import CPU_NO_BF16, CUDA_H100, CUDA_V100, fake_caps
+from gguf_fixture import save_gguf
 
 from hf_speedup import SpeedupConfigError, build_plan, get_preset
-from hf_speedup.loading import bnb_config, compute_dtype, load_kwargs, load_model, save_gguf, split_gguf
+from hf_speedup.loading import bnb_config, load_kwargs, load_model, split_gguf
 from hf_speedup.model_info import describe_model
-from hf_speedup.plan import Decision
+from hf_speedup.plan_types import Plan
 
 
 def plan(cfg, caps=CPU_NO_BF16, **caps_kw):
@@ -22,10 +24,11 @@ def qlora(**kw):
     return get_preset("qlora").replace(lora=kw) if kw else get_preset("qlora")
 
 
-@pytest.mark.parametrize("applied, dtype", [("bf16", torch.bfloat16), ("fp16+grad-scaling", torch.float16),
-                                            ("fp32", torch.float32), ("off", torch.float32)])
-def test_compute_dtype_follows_the_precision_decision(applied, dtype):
-    assert compute_dtype(Decision("precision", None, applied, "")) is dtype
+@pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)])
+def test_a_lora_base_loads_in_the_precision_decisions_dtype(name, dtype):
+    p = plan(get_preset("lora").replace(precision={"dtype": name}), CUDA_H100)
+    assert p["precision"].settings.dtype is dtype  # typed: a torch.dtype, not text to parse
+    assert load_kwargs("some/model", p)[1]["dtype"] is dtype
 
 
 def test_qlora_on_cuda_loads_nf4_double_quant_in_the_compute_dtype():
@@ -34,7 +37,7 @@ def test_qlora_on_cuda_loads_nf4_double_quant_in_the_compute_dtype():
     p = plan(qlora(), CUDA_H100)
     path, kw = load_kwargs("some/model", p)
     q = kw["quantization_config"]
-    want = compute_dtype(p["precision"])
+    want = p["precision"].settings.dtype
     assert path == "some/model" and isinstance(q, BitsAndBytesConfig)
     assert q.load_in_4bit and q.bnb_4bit_quant_type == "nf4" and q.bnb_4bit_use_double_quant
     assert q.bnb_4bit_compute_dtype is want and kw["dtype"] is want
@@ -44,11 +47,13 @@ def test_qlora_on_cuda_loads_nf4_double_quant_in_the_compute_dtype():
 
 def test_quant_storage_matches_the_dtype_when_fsdp_shards():
     p = plan(qlora(), CUDA_H100)
-    p["fsdp"].applied = "full_shard"  # whatever FSDP decides, an active decision means sharding
-    p["precision"].applied = "bf16"
+    fsdp = p["fsdp"].replace(applied="full_shard")  # whatever FSDP decides, an active decision means sharding
+    precision = p["precision"].replace(settings=dataclasses.replace(p["precision"].settings, dtype=torch.bfloat16))
+    p = Plan(p.config, p.caps, p.model, {**p.decisions, "fsdp": fsdp, "precision": precision})
     q = bnb_config(p, "4bit")
     assert q.bnb_4bit_compute_dtype is torch.bfloat16 and q.bnb_4bit_quant_storage == torch.bfloat16
-    p["fsdp"].settings["qlora"] = {"bnb_4bit_quant_storage": "float16"}  # the FSDP decision's word wins
+    fsdp = fsdp.replace(settings=dataclasses.replace(fsdp.settings, qlora_quant_storage=torch.float16))
+    p = Plan(p.config, p.caps, p.model, {**p.decisions, "fsdp": fsdp})  # the FSDP decision's word wins
     assert bnb_config(p, "4bit").bnb_4bit_quant_storage == torch.float16
 
 
@@ -101,7 +106,7 @@ def test_gguf_cannot_also_be_4bit(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_speedup"):
         kw = load_kwargs(f, p)[1]
     assert getattr(kw["quantization_config"], "dequantize", None) is True  # GGUF, dequantized: no bitsandbytes
-    assert any(x.startswith("gguf:") for x in p["lora"].fallbacks) and "loading it dequantized" in caplog.text
+    assert "cannot apply to a GGUF file" in caplog.text and "loading it dequantized" in caplog.text
 
 
 # ----------------------------------------------------------------------------------------- real loads

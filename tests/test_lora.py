@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 
 from hf_speedup import SpeedupConfigError, SpeedupTrainer, build_plan, get_preset
 from hf_speedup.features import Setup, lora
+from hf_speedup.plan_types import Outcome
 from hf_speedup.model_info import ModelInfo, describe_model
 
-LLAMA_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def lora_cfg(**kw):
@@ -25,20 +28,20 @@ def plan_for(cfg, model=None, caps=CPU_NO_BF16):
 def test_auto_targets_every_projection_of_the_block(tiny_model):
     d = plan_for(lora_cfg(), tiny_model)["lora"]
     assert d.applied == "lora"
-    assert d.settings["target_modules"] == LLAMA_PROJ
-    assert "LlamaDecoderLayer" in d.reason and d.fallbacks == []
+    assert d.settings.target_modules == LLAMA_PROJ
+    assert "LlamaDecoderLayer" in d.reason and d.fallbacks == ()
 
 
 def test_targets_overridable(tiny_model):
-    assert plan_for(lora_cfg(target_modules=["q_proj", "v_proj"]), tiny_model)["lora"].settings["target_modules"] == ["q_proj", "v_proj"]
-    assert plan_for(lora_cfg(target_modules="all-linear"), tiny_model)["lora"].settings["target_modules"] == "all-linear"
+    assert plan_for(lora_cfg(target_modules=["q_proj", "v_proj"]), tiny_model)["lora"].settings.target_modules == ("q_proj", "v_proj")
+    assert plan_for(lora_cfg(target_modules="all-linear"), tiny_model)["lora"].settings.target_modules == "all-linear"
 
 
 def test_peft_mapping_only_when_no_block_is_known():
     info = ModelInfo(model_type="llama", num_blocks=0)
     d = plan_for(lora_cfg(), info)["lora"]
-    assert d.settings["target_modules"] == ["q_proj", "v_proj"] and "peft's default" in d.reason
-    assert plan_for(lora_cfg(), None)["lora"].settings["target_modules"] == "all-linear"
+    assert d.settings.target_modules == ("q_proj", "v_proj") and "peft's default" in d.reason
+    assert plan_for(lora_cfg(), None)["lora"].settings.target_modules == "all-linear"
 
 
 def test_off_by_default_and_in_baseline(tiny_model):
@@ -48,7 +51,7 @@ def test_off_by_default_and_in_baseline(tiny_model):
 
 def test_qlora_without_cuda_falls_back_with_reason(tiny_model):
     d = plan_for(lora_cfg(quantization="4bit"), tiny_model)["lora"]
-    assert (d.requested, d.applied, d.settings["quantization"]) == ("qlora", "lora", None)
+    assert (d.requested, d.applied, d.settings.quantization) == ("qlora", "lora", None)
     assert d.fallbacks and d.fallbacks[0].startswith("qlora -> lora: bitsandbytes")
     assert "CUDA" in d.reason
 
@@ -66,7 +69,7 @@ def test_qlora_preset_falls_back_on_cpu(tiny_model):
 
 def test_qlora_on_cuda_is_planned_for_load_time():
     d = plan_for(lora_cfg(quantization="4bit"), None, CUDA_H100)["lora"]
-    assert (d.applied, d.settings["quantization"]) == ("qlora", "4bit")
+    assert (d.applied, d.settings.quantization) == ("qlora", "4bit")
     assert "NF4" in d.reason
 
 
@@ -82,9 +85,9 @@ def test_prequantized_base_is_adapted_as_loaded():
     info = ModelInfo(model_type="llama", num_blocks=2, block_class="LlamaDecoderLayer", quantization="4bit",
                      linear_names=("q_proj", "v_proj"))
     d = plan_for(lora_cfg(), info)["lora"]  # CPU caps: the base is already 4-bit, nothing to fall back from
-    assert (d.applied, d.settings["quantization"]) == ("qlora", "4bit") and d.fallbacks == []
+    assert (d.applied, d.settings.quantization) == ("qlora", "4bit") and d.fallbacks == ()
     d8 = plan_for(lora_cfg(quantization="8bit"), info)["lora"]
-    assert d8.applied == "qlora" and d8.fallbacks == ["lora-8bit -> qlora: the model was loaded in 4bit"]
+    assert d8.applied == "qlora" and d8.fallbacks == ("lora-8bit -> qlora: the model was loaded in 4bit",)
 
 
 def test_existing_peft_model_is_reported_not_rewrapped(tiny_model, make_args, dataset, collator):
@@ -93,7 +96,7 @@ def test_existing_peft_model_is_reported_not_rewrapped(tiny_model, make_args, da
     peft_model = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
     trainer = SpeedupTrainer(model=peft_model, args=make_args(), train_dataset=dataset, data_collator=collator,
                              speedup=lora_cfg())
-    d = trainer.speedup_plan["lora"]
+    d = trainer.speedup_status["lora"]
     assert trainer.model is peft_model and d.applied == "existing adapters"
     assert d.engaged and "existing adapters kept: {'default': ['q_proj']}; 4 LoRA layers" in d.engaged_reason
 
@@ -102,7 +105,7 @@ def test_existing_peft_model_is_reported_not_rewrapped(tiny_model, make_args, da
 def _wrapped(model, cfg):
     plan = plan_for(cfg, model)
     setup = Setup(model=model, args=None)
-    lora.apply(plan["lora"], setup)
+    lora.apply(plan["lora"], setup, Outcome())
     return setup.model, plan["lora"]
 
 
@@ -124,16 +127,16 @@ def test_wraps_exactly_the_expected_modules(tiny_model):
     assert not any("lm_head" in n for n in layers)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_A" in n or "lora_B" in n for n in trainable)
-    ok, why = lora.verify(d, _T(model))
+    ok, why = lora.verify(d, _T(model), Outcome())
     assert ok, why
     assert why.startswith("28 LoRA layers (q_projx4") and "lora.Linear" in why
 
 
 def test_verify_catches_a_trainable_base_and_a_missing_target(tiny_model):
     model, d = _wrapped(tiny_model, lora_cfg(target_modules=["q_proj"]))
-    d.settings["target_modules"] = ["q_proj", "down_proj"]  # claim more than was wrapped
+    d = d.replace(settings=dataclasses.replace(d.settings, target_modules=("q_proj", "down_proj")))  # claim more than was wrapped
     model.base_model.model.model.embed_tokens.weight.requires_grad_(True)
-    ok, why = lora.verify(d, _T(model))
+    ok, why = lora.verify(d, _T(model), Outcome())
     assert not ok
     assert "4 target layer(s) not wrapped" in why and "mlp.down_proj" in why
     assert "1 base parameter(s) still train" in why and "embed_tokens" in why
@@ -155,7 +158,7 @@ def test_lora_trains_only_adapters_and_loss_falls(tiny_model, make_args, dataset
                      logging_steps=4)
     trainer = SpeedupTrainer(model=tiny_model, args=args, train_dataset=dataset, data_collator=collator,
                              speedup=lora_cfg(dropout=0.0))
-    assert trainer.speedup_plan["lora"].engaged
+    assert trainer.speedup_status["lora"].engaged
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     # A random base with a random lm_head bounds what adapters can reach (logits stay small), so the
@@ -172,7 +175,7 @@ def test_lora_trains_only_adapters_and_loss_falls(tiny_model, make_args, dataset
 @pytest.fixture
 def gguf_path(tiny_model, tmp_path):
     pytest.importorskip("gguf")
-    from hf_speedup.loading import save_gguf
+    from gguf_fixture import save_gguf
 
     return save_gguf(tiny_model, tmp_path / "tiny-q8_0.gguf", quant="q8_0")
 
@@ -195,8 +198,9 @@ def test_gguf_model_is_refused_by_stock_trainer_but_trains_under_lora(gguf_path,
         assert torch.allclose(model(x).logits, tiny_model(x).logits, atol=0.05)
     trainer = SpeedupTrainer(model=model, args=make_args(max_steps=3), train_dataset=dataset,
                              data_collator=collator, speedup=lora_cfg())
-    d = trainer.speedup_plan["lora"]
-    assert "GGUF base" in d.reason and "stale GGUF quantizer flag was cleared" in d.settings["gguf"]
+    d = trainer.speedup_status["lora"]
+    assert "GGUF base" in d.reason and d.settings.gguf is True
+    assert "stale GGUF quantizer flag was cleared" in d.facts["gguf"]
     assert d.engaged and not trainer.model.get_base_model().is_quantized
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
@@ -217,7 +221,7 @@ def test_gguf_model_full_fine_tunes_without_lora(gguf_path, make_args, dataset, 
 def test_gguf_with_packed_weights_is_refused_with_a_fix(gguf_path):
     from transformers import AutoModelForCausalLM
 
-    from hf_speedup.compat import clear_stale_gguf_quantizer
+    from hf_speedup.gguf import clear_stale_gguf_quantizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     if getattr(model, "hf_quantizer", None) is None:
@@ -245,13 +249,13 @@ def test_qlora_wiring_on_a_4bit_base(tiny_model, tmp_path, make_args, dataset, c
     assert describe_model(model).quantization == "4bit"
     trainer = SpeedupTrainer(model=model, args=make_args(), train_dataset=dataset, data_collator=collator,
                              speedup="qlora")
-    d = trainer.speedup_plan["lora"]
-    assert d.applied == "qlora" and d.settings["quantization"] == "4bit"
+    d = trainer.speedup_status["lora"]
+    assert d.applied == "qlora" and d.settings.quantization == "4bit"
     assert d.engaged, d.engaged_reason
     assert "base weights Params4bit" in d.engaged_reason and "lora.Linear4bit" in d.engaged_reason
     layers = lora.lora_layers(trainer.model)
     assert len(layers) == 28 and all(type(m.get_base_layer().weight).__name__ == "Params4bit" for m in layers.values())
-    ckpt = trainer.speedup_plan["checkpointing"]  # the qlora preset checkpoints: once, non-reentrant, after peft
+    ckpt = trainer.speedup_status["checkpointing"]  # the qlora preset checkpoints: once, non-reentrant, after peft
     assert ckpt.engaged and "4/4 LlamaDecoderLayer blocks" in ckpt.engaged_reason, ckpt.engaged_reason
 
 
@@ -265,9 +269,9 @@ def test_qlora_trains_on_gpu(tiny_model, tmp_path, make_args, dataset, collator)
     assert describe_model(model).quantization == "4bit"
     args = make_args(use_cpu=False, max_steps=20, learning_rate=2e-2, lr_scheduler_type="constant", logging_steps=5)
     trainer = SpeedupTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator, speedup="qlora")
-    d = trainer.speedup_plan["lora"]
+    d = trainer.speedup_status["lora"]
     assert d.applied == "qlora" and d.engaged, d.engaged_reason
-    assert trainer.speedup_plan["checkpointing"].engaged, trainer.speedup_plan["checkpointing"].engaged_reason
+    assert trainer.speedup_status["checkpointing"].engaged, trainer.speedup_status["checkpointing"].engaged_reason
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0], losses

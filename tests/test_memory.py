@@ -1,4 +1,4 @@
-"""empty_cache: torch_empty_cache_steps and expandable_segments on CUDA (honestly off on CPU); CPU malloc reuse."""
+"""memory: torch_empty_cache_steps and expandable_segments on CUDA (honestly off on CPU); CPU malloc reuse."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from hf_speedup import SpeedupTrainer, build_plan, get_preset
 from hf_speedup.config import SpeedupConfigError
 from hf_speedup.compat import get_allocator_settings, set_allocator_settings
 from hf_speedup.features import memory
+from hf_speedup.plan_types import Outcome
 
 
 def plan_for(caps: dict, preset: str = "memory", args=None):
-    return build_plan(preset, caps=fake_caps(**caps), args=args)["empty_cache"]
+    return build_plan(preset, caps=fake_caps(**caps), args=args)["memory"]
 
 
 @pytest.fixture
@@ -33,9 +34,9 @@ def restore_allocator():
 # ------------------------------------------------------------------------------------------ plan
 def test_cuda_memory_preset_sets_empty_cache_steps_and_expandable_segments(make_args):
     d = plan_for(CUDA_H100)
-    assert d.applied == "every 50 steps + expandable" and d.fallbacks == []
+    assert d.applied == "every 50 steps + expandable" and d.fallbacks == ()
     assert memory.training_args(d, make_args()) == {"torch_empty_cache_steps": 50}
-    assert d.settings["expandable_segments"] is True
+    assert d.settings.expandable_segments is True
 
 
 def test_cpu_reports_not_applicable_with_the_reason_and_changes_nothing(make_args):
@@ -43,7 +44,7 @@ def test_cpu_reports_not_applicable_with_the_reason_and_changes_nothing(make_arg
     assert d.applied == "off" and "no CUDA caching allocator" in d.reason
     assert d.fallbacks and d.fallbacks[0].startswith("every 50 steps + expandable:")
     assert memory.training_args(d, make_args()) == {}
-    assert memory.verify(d, SimpleNamespace(args=make_args()))[0] is False
+    assert memory.verify(d, SimpleNamespace(args=make_args()), Outcome())[0] is False
 
 
 def test_off_keeps_the_users_own_empty_cache_steps(make_args):
@@ -90,12 +91,12 @@ def test_enable_after_cuda_init_sets_it_at_run_time_only_and_says_what_that_mean
 def test_verify_reads_the_allocator_and_the_trainer_args(restore_allocator):
     d = plan_for(CUDA_H100)
     set_allocator_settings("expandable_segments:False")
-    engaged, reason = memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=50)))
+    engaged, reason = memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=50)), Outcome())
     assert engaged is False and "expandable_segments OFF" in reason
     set_allocator_settings("expandable_segments:True")
-    engaged, reason = memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=50)))
+    engaged, reason = memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=50)), Outcome())
     assert engaged is True and "args.torch_empty_cache_steps=50" in reason
-    assert memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=None)))[0] is False
+    assert memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=None)), Outcome())[0] is False
 
 
 # ------------------------------------------------------------------------------------------ real objects
@@ -105,7 +106,7 @@ def test_memory_preset_on_cpu_is_reported_not_engaged(monkeypatch, tiny_model, d
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
                              data_collator=collator, speedup="memory")
     trainer.train()
-    d = trainer.speedup_plan["empty_cache"]
+    d = trainer.speedup_status["memory"]
     assert d.engaged is False and "no CUDA caching allocator" in d.to_dict()["reason"]
     assert trainer.args.torch_empty_cache_steps is None
     import os
@@ -120,7 +121,7 @@ def test_cuda_memory_preset_engages(tiny_model, dataset, collator, make_args, re
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=3, use_cpu=False), train_dataset=dataset,
                              data_collator=collator, speedup=cfg)
     trainer.train()
-    d = trainer.speedup_plan["empty_cache"]
+    d = trainer.speedup_status["memory"]
     assert d.engaged is True, d.engaged_reason
     assert trainer.args.torch_empty_cache_steps == 2
     assert torch.cuda.memory.get_allocator_backend() == "native"
@@ -135,19 +136,19 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def test_fast_on_cpu_plans_cpu_reuse_and_cuda_does_not():
-    cpu = build_plan("fast", caps=fake_caps(**CPU_NO_BF16))["empty_cache"]
-    cuda = build_plan("fast", caps=fake_caps(**CUDA_H100))["empty_cache"]
-    assert cpu.requested == "cpu-reuse-freed" and cpu.settings["cpu_reuse_freed"] is GLIBC
+    cpu = build_plan("fast", caps=fake_caps(**CPU_NO_BF16))["memory"]
+    cuda = build_plan("fast", caps=fake_caps(**CUDA_H100))["memory"]
+    assert cpu.requested == "cpu-reuse-freed" and cpu.settings.cpu_reuse_freed is GLIBC
     if GLIBC:
-        assert cpu.applied == "cpu-reuse-freed" and cpu.reason == memory.CPU_REUSE_WHY and cpu.fallbacks == []
-    assert cuda.applied == "off" and cuda.settings["cpu_reuse_freed"] is False
-    assert cuda.fallbacks == ["cpu-reuse-freed: not applied on cuda: tensors live in the device allocator, "
-                              "not CPU malloc"]
+        assert cpu.applied == "cpu-reuse-freed" and cpu.reason == memory.CPU_REUSE_WHY and cpu.fallbacks == ()
+    assert cuda.applied == "off" and cuda.settings.cpu_reuse_freed is False
+    assert cuda.fallbacks == ("cpu-reuse-freed: not applied on cuda: tensors live in the device allocator, "
+                              "not CPU malloc",)
 
 
 def test_cpu_reuse_joins_the_cuda_knobs_reasons_on_cpu():
     cfg = get_preset("memory").replace(memory={"cpu_reuse_freed": True})
-    d = build_plan(cfg, caps=fake_caps(**CPU_NO_BF16))["empty_cache"]
+    d = build_plan(cfg, caps=fake_caps(**CPU_NO_BF16))["memory"]
     assert d.requested == "every 50 steps + expandable + cpu-reuse-freed"
     assert d.reason.startswith("not applicable on cpu: no CUDA caching allocator")
     if GLIBC:
@@ -157,10 +158,10 @@ def test_cpu_reuse_joins_the_cuda_knobs_reasons_on_cpu():
 def test_without_glibc_cpu_reuse_falls_back_with_the_reason(monkeypatch):
     monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: ("musl", "1.2"))
     monkeypatch.setattr(platform, "system", lambda: "Linux")
-    d = build_plan("fast", caps=fake_caps(**CPU_NO_BF16))["empty_cache"]
-    assert d.applied == "off" and d.settings["cpu_reuse_freed"] is False
-    assert d.fallbacks == ["cpu-reuse-freed: needs glibc's mallopt; this Linux uses another C library (e.g. musl)"]
-    assert memory.verify(d, SimpleNamespace(args=None)) == (False, d.reason)
+    d = build_plan("fast", caps=fake_caps(**CPU_NO_BF16))["memory"]
+    assert d.applied == "off" and d.settings.cpu_reuse_freed is False
+    assert d.fallbacks == ("cpu-reuse-freed: needs glibc's mallopt; this Linux uses another C library (e.g. musl)",)
+    assert memory.verify(d, SimpleNamespace(args=None), Outcome()) == (False, d.reason)
 
 
 def test_cpu_reuse_must_be_a_bool():
@@ -193,6 +194,6 @@ def test_fast_preset_engages_cpu_reuse_verified_by_the_probe(tiny_model, dataset
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=2), train_dataset=dataset,
                              data_collator=collator, speedup=cfg)
     trainer.train()
-    d = trainer.speedup_plan["empty_cache"].to_dict()
+    d = trainer.speedup_status["memory"].to_dict()
     assert d["engaged"] is True and d["applied"] == "cpu-reuse-freed"
     assert "re-allocating a freed 40 MiB block faulted 0/10240 pages in again" in d["reason"]

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from hf_speedup import metrics as M
+from hf_speedup.model_info import parameter_counts
+from hf_speedup.report import measure as M
 from hf_speedup.peak_flops import OVERRIDE_ENV, peak_flops_for, resolve_peak_flops
 
 # The conftest tiny model (hidden 64, intermediate 128, 4 layers, 4 heads, 2 kv heads, vocab 512), by hand:
@@ -70,7 +71,7 @@ def test_aggregate_ranks_sums_tokens_and_samples_and_maxes_memory():
 
 # -------------------------------------------------------------------------------------- parameters
 def test_parameter_counts_of_tiny_llama_match_hand_count(tiny_model):
-    pc = M.parameter_counts(tiny_model)
+    pc = parameter_counts(tiny_model)
     assert pc.total == TINY_TOTAL and pc.trainable == TINY_TOTAL
     assert pc.embedding == TINY_EMBEDDING
     assert pc.matmul_trainable == TINY_NON_EMBEDDING and pc.matmul_frozen == 0
@@ -83,7 +84,7 @@ def test_tied_output_head_counts_once_as_a_matmul():
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
     model = LlamaForCausalLM(cfg)
-    pc = M.parameter_counts(model)
+    pc = parameter_counts(model)
     assert pc.total == TINY_TOTAL - TINY_EMBEDDING  # one shared 512x64 matrix
     assert pc.embedding == 0  # it is the lm_head's matmul weight too
     assert pc.matmul_trainable == TINY_NON_EMBEDDING
@@ -92,7 +93,7 @@ def test_tied_output_head_counts_once_as_a_matmul():
 def test_frozen_parameters_are_split_out(tiny_model):
     for name, p in tiny_model.named_parameters():
         p.requires_grad = name.startswith("lm_head")
-    pc = M.parameter_counts(tiny_model)
+    pc = parameter_counts(tiny_model)
     assert pc.trainable == 32_768 and pc.matmul_trainable == 32_768
     assert pc.matmul_frozen == TINY_NON_EMBEDDING - 32_768
     assert pc.embedding == TINY_EMBEDDING and pc.total == TINY_TOTAL
@@ -115,7 +116,7 @@ def test_flops_per_token_of_a_real_lora_model(tiny_model):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                            lora_dropout=0.0))
-    pc = M.parameter_counts(model)
+    pc = parameter_counts(model)
     # adapters per layer: q 8*64 + 64*8 = 1024, v 8*64 + 32*8 = 768 -> 1792, x4 layers
     assert pc.matmul_trainable == 4 * 1792 == pc.trainable
     assert pc.matmul_frozen == TINY_NON_EMBEDDING

@@ -10,7 +10,8 @@ import torch
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 from hf_speedup import SpeedupConfigError, SpeedupTrainer, build_plan, get_preset
 from hf_speedup.compat import unwrap_optimizer
-from hf_speedup.features import optim
+from hf_speedup.features import optimizer as optim
+from hf_speedup.plan_types import Outcome
 
 NO_BNB = dict(CUDA_H100, bitsandbytes=False, bitsandbytes_reason="bitsandbytes is not installed (pip install bitsandbytes)")
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
@@ -27,13 +28,13 @@ def plan_for(caps: dict, name: str, args=None, strict: bool = False):
                                       ("paged_adamw_8bit", "paged_adamw_8bit")])
 def test_on_h100_every_choice_maps_to_trainingarguments_optim(name, hf, make_args):
     d = plan_for(CUDA_H100, name)
-    assert d.fallbacks == [] and optim.training_args(d, make_args()) == {"optim": hf}
+    assert d.fallbacks == () and optim.training_args(d, make_args()) == {"optim": hf}
 
 
 def test_8bit_without_bitsandbytes_falls_back_to_fused_and_says_why():
     d = plan_for(NO_BNB, "paged_adamw_8bit")
-    assert d.applied == "adamw_fused" and d.settings["optim"] == "adamw_torch_fused"
-    assert d.fallbacks == ["paged_adamw_8bit: bitsandbytes is not installed (pip install bitsandbytes)"]
+    assert d.applied == "adamw_fused" and d.settings.optim == "adamw_torch_fused"
+    assert d.fallbacks == ("paged_adamw_8bit: bitsandbytes is not installed (pip install bitsandbytes)",)
     assert "paged_adamw_8bit cannot run here -> adamw_fused" in d.reason
 
 
@@ -65,7 +66,7 @@ def test_auto_keeps_an_8bit_choice_from_the_args_and_explicit_names_override_the
     from_args = plan_for(CUDA_H100, "auto", args=make_args(optim="paged_adamw_8bit"))
     assert from_args.applied == "paged_adamw_8bit"
     explicit = plan_for(CUDA_H100, "adamw", args=make_args(optim="adamw_torch_fused"))
-    assert explicit.settings["optim"] == "adamw_torch" and "overrides TrainingArguments' optim" in explicit.reason
+    assert explicit.settings.optim == "adamw_torch" and "overrides TrainingArguments' optim" in explicit.reason
 
 
 def test_multi_process_decides_the_same():
@@ -89,7 +90,7 @@ def _trainer(cfg, tiny_model, dataset, collator, make_args, **args_kw):
 def test_fused_adamw_really_is_fused_after_training(tiny_model, dataset, collator, make_args):
     cfg = get_preset("baseline").replace(optimizer={"name": "adamw_fused"})
     trainer = _trainer(cfg, tiny_model, dataset, collator, make_args, optim="adamw_torch")
-    d = trainer.speedup_plan["optimizer"]
+    d = trainer.speedup_status["optimizer"]
     assert d.engaged is False and "not created yet" in d.engaged_reason  # verified at init: no optimizer yet
     trainer.train()
     opt = unwrap_optimizer(trainer.optimizer)
@@ -102,7 +103,7 @@ def test_plain_adamw_is_in_force_but_not_engaged(tiny_model, dataset, collator, 
     trainer = _trainer(cfg, tiny_model, dataset, collator, make_args)  # args default: adamw_torch_fused
     trainer.train()
     assert not unwrap_optimizer(trainer.optimizer).param_groups[0]["fused"]
-    d = trainer.speedup_plan["optimizer"]
+    d = trainer.speedup_status["optimizer"]
     assert d.engaged is False and "plain AdamW in force as planned" in d.engaged_reason
 
 
@@ -110,7 +111,7 @@ def test_an_optimizer_passed_by_the_user_is_reported_as_a_mismatch(tiny_model, d
     sgd = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
                              data_collator=collator, optimizers=(sgd, None), speedup="auto")
-    d = trainer.speedup_plan["optimizer"]
+    d = trainer.speedup_status["optimizer"]
     assert d.engaged is False and "MISMATCH: planned adamw_fused, found torch.optim.sgd.SGD" in d.engaged_reason
 
 
@@ -123,7 +124,7 @@ def test_8bit_adamw_verified_from_the_live_bitsandbytes_optimizer(monkeypatch, t
     trainer.train()
     opt = unwrap_optimizer(trainer.optimizer)
     assert type(opt).__module__.startswith("bitsandbytes") and opt.args.optim_bits == 8
-    d = trainer.speedup_plan["optimizer"]
+    d = trainer.speedup_status["optimizer"]
     assert d.engaged is True, d.engaged_reason
     trainer.verify_speedup()  # after steps the state exists: big matrices hold uint8 state
     assert "parameter states in 8 bits" in d.engaged_reason
@@ -136,7 +137,7 @@ def test_paged_8bit_on_cpu_parameters_is_not_reported_as_paged(monkeypatch, tiny
     cfg = get_preset("baseline").replace(optimizer={"name": "paged_adamw_8bit"})
     trainer = _trainer(cfg, tiny_model, dataset, collator, make_args)
     trainer.create_optimizer()  # enough to inspect; bitsandbytes would warn and run unpaged on CPU
-    engaged, reason = optim.verify(trainer.speedup_plan["optimizer"], trainer)
+    engaged, reason = optim.verify(trainer.speedup_plan["optimizer"], trainer, Outcome())
     assert engaged is False and "paging is CUDA-only" in reason
 
 
@@ -149,5 +150,5 @@ def test_cuda_optimizers_engage(name, cls_check, tiny_model, dataset, collator, 
     cfg = get_preset("baseline").replace(optimizer={"name": name})
     trainer = _trainer(cfg, tiny_model, dataset, collator, make_args, use_cpu=False)
     trainer.train()
-    d = trainer.speedup_plan["optimizer"]
+    d = trainer.speedup_status["optimizer"]
     assert d.applied == name and d.engaged is True and cls_check in d.engaged_reason, d.engaged_reason

@@ -8,6 +8,7 @@ import torch
 from conftest import CPU_AMX, CPU_NO_BF16, CUDA_H100, CUDA_V100, fake_caps
 from hf_speedup import SpeedupConfigError, SpeedupTrainer, build_plan, get_preset
 from hf_speedup.features import precision
+from hf_speedup.plan_types import Outcome
 
 NO_AMX_REASON = "CPU has avx512_bf16 but no AMX: bf16 autocast was measured 2.6x slower"
 
@@ -20,15 +21,15 @@ def plan_for(caps: dict, args=None, **precision_settings):
 # ------------------------------------------------------------------------------------------ plan
 def test_auto_on_h100_is_bf16_with_tf32_and_cudnn_benchmark(make_args):
     d = plan_for(CUDA_H100, args=make_args())
-    assert d.applied == "bf16+tf32" and d.fallbacks == []
-    assert d.settings["cudnn_benchmark"] is True
+    assert d.applied == "bf16+tf32" and d.fallbacks == ()
+    assert d.settings.cudnn_benchmark is True
     assert precision.training_args(d, make_args()) == {"bf16": True, "fp16": False, "tf32": True}
 
 
 def test_auto_on_v100_is_fp16_with_grad_scaling():
     d = plan_for(CUDA_V100)
-    assert d.applied == "fp16" and d.settings["grad_scaling"] is True
-    assert d.settings["tf32"] is None and "no TF32" not in str(d.fallbacks)  # auto: not a fallback, just n/a
+    assert d.applied == "fp16" and d.settings.grad_scaling is True
+    assert d.settings.tf32 is None and "no TF32" not in str(d.fallbacks)  # auto: not a fallback, just n/a
     assert "no bf16" in d.reason and "loss scaling" in d.reason
     assert precision.training_args(d, None) == {"bf16": False, "fp16": True}
 
@@ -48,7 +49,7 @@ def test_strict_bf16_on_v100_is_a_config_error_naming_field_value_allowed_and_fi
 
 def test_auto_on_cpu_without_amx_stays_fp32():
     d = plan_for({**CPU_NO_BF16, "bf16_reason": NO_AMX_REASON})
-    assert d.applied == "fp32" and d.fallbacks == []
+    assert d.applied == "fp32" and d.fallbacks == ()
     assert "2.6x slower" in d.reason and "tf32: n/a on cpu" in d.reason
     assert precision.training_args(d, None) == {"bf16": False, "fp16": False}  # explicit, never tf32 on CPU
 
@@ -62,7 +63,7 @@ def test_auto_on_amx_cpu_picks_bf16_and_tells_trainingarguments_it_is_a_cpu_run(
 
 def test_explicit_bf16_on_slow_bf16_cpu_is_applied_with_a_warning_in_the_reason():
     d = plan_for({**CPU_NO_BF16, "bf16_reason": NO_AMX_REASON}, dtype="bf16")
-    assert d.applied == "bf16" and d.fallbacks == []
+    assert d.applied == "bf16" and d.fallbacks == ()
     assert "expected SLOWER than fp32 here" in d.reason
 
 
@@ -75,13 +76,13 @@ def test_fp16_on_cpu_falls_back_to_fp32_or_errors_when_strict():
 
 def test_tf32_requests_that_cannot_run_fall_back_or_error():
     on_cpu = plan_for(CPU_NO_BF16, tf32=True)
-    assert on_cpu.settings["tf32"] is None and any("tf32" in f for f in on_cpu.fallbacks)
+    assert on_cpu.settings.tf32 is None and any("tf32" in f for f in on_cpu.fallbacks)
     assert "tf32" not in precision.training_args(on_cpu, None)  # TrainingArguments would raise on CPU
     on_v100 = plan_for(CUDA_V100, tf32=True)
-    assert on_v100.settings["tf32"] is None and "no TF32" in on_v100.fallbacks[0]
+    assert on_v100.settings.tf32 is None and "no TF32" in on_v100.fallbacks[0]
     with pytest.raises(SpeedupConfigError, match=r"precision\.tf32 = True cannot run"):
         plan_for(CUDA_V100, tf32=True, strict=True)
-    assert plan_for(CUDA_H100, tf32=False).settings["tf32"] is False
+    assert plan_for(CUDA_H100, tf32=False).settings.tf32 is False
 
 
 def test_keep_leaves_trainingarguments_untouched(make_args):
@@ -89,7 +90,7 @@ def test_keep_leaves_trainingarguments_untouched(make_args):
         d = build_plan("baseline", caps=fake_caps(**CUDA_H100), args=args)["precision"]
         assert d.applied == ("bf16" if args.bf16 else "fp32")
         assert precision.training_args(d, args) == {}
-        assert d.settings["cudnn_benchmark"] is False  # baseline: no global torch flags either
+        assert d.settings.cudnn_benchmark is False  # baseline: no global torch flags either
 
 
 def test_auto_keeps_the_users_explicit_fp16_but_an_explicit_dtype_overrides_it(make_args):
@@ -138,7 +139,7 @@ def test_auto_on_this_cpu_runs_what_it_planned(tiny_model, dataset, collator, ma
     from hf_speedup.hardware import probe
 
     trainer = _train("auto", tiny_model, dataset, collator, make_args)
-    d = trainer.speedup_plan["precision"]
+    d = trainer.speedup_status["precision"]
     if probe().bf16:  # an AMX CPU: bf16 must be chosen and active
         assert d.applied == "bf16" and d.engaged is True
         assert trainer.accelerator.mixed_precision == "bf16"
@@ -153,7 +154,7 @@ def test_bf16_on_an_amx_cpu_really_autocasts(monkeypatch, tiny_model, dataset, c
     monkeypatch.setattr("hf_speedup.trainer.probe", lambda: fake_caps(**CPU_AMX))
     cfg = get_preset("baseline").replace(precision={"dtype": "auto"})
     trainer = _train(cfg, tiny_model, dataset, collator, make_args)
-    d = trainer.speedup_plan["precision"]
+    d = trainer.speedup_status["precision"]
     assert d.applied == "bf16" and d.engaged is True, d.engaged_reason
     assert trainer.accelerator.mixed_precision == "bf16" and trainer.accelerator.native_amp
     assert hasattr(trainer.model, "_original_forward")  # accelerate wrapped forward in autocast
@@ -170,7 +171,7 @@ def test_verify_reports_a_mismatch_when_the_plan_is_not_in_force(tiny_model, dat
     trainer = _train("baseline", tiny_model, dataset, collator, make_args, steps=1)
     planned_bf16 = build_plan(get_preset("baseline").replace(precision={"dtype": "bf16"}),
                               caps=fake_caps(**CPU_AMX))["precision"]
-    engaged, reason = precision.verify(planned_bf16, trainer)
+    engaged, reason = precision.verify(planned_bf16, trainer, Outcome())
     assert engaged is False and "MISMATCH: planned bf16, in force fp32" in reason
 
 
@@ -182,7 +183,7 @@ def test_cuda_auto_engages_bf16_or_fp16_and_tf32(tiny_model, dataset, collator, 
 
     caps = probe()
     trainer = _train("auto", tiny_model, dataset, collator, lambda **kw: make_args(use_cpu=False, **kw))
-    d = trainer.speedup_plan["precision"]
+    d = trainer.speedup_status["precision"]
     assert d.engaged is True, d.engaged_reason
     assert trainer.accelerator.mixed_precision == ("bf16" if caps.bf16 else "fp16")
     if not caps.bf16:

@@ -58,7 +58,7 @@ def test_smollm2_from_local_gguf_finetunes_with_lora(tmp_path):
                              use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True)
     trainer = SpeedupTrainer(model=model, args=args, train_dataset=dataset,
                              data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), speedup="lora")
-    lora = trainer.speedup_plan["lora"]
+    lora = trainer.speedup_status["lora"]
     assert lora.engaged and lora.engaged_reason.startswith("210 LoRA layers"), lora.engaged_reason
     trainer.train()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_speedup import SpeedupTrainer
-from hf_speedup.callback import PREFIX, SUMMARY_METRICS
+from hf_speedup.report.schema import PREFIX, SUMMARY_METRICS
 from hf_speedup.features import FEATURES
 from hf_speedup.peak_flops import OVERRIDE_ENV
 from hf_speedup.report import REPORT_FILE
@@ -122,7 +122,7 @@ def test_report_of_a_training_run(tiny_model, dataset, collator, make_args, caps
 def test_mfu_with_a_peak_override(tiny_model, dataset, collator, make_args, monkeypatch):
     monkeypatch.setenv(OVERRIDE_ENV, "2e12")
     trainer = _train(tiny_model, dataset, collator, make_args, max_steps=3, logging_steps=1)
-    m, x = trainer.speedup_report.metrics, trainer.speedup_report.measurement
+    m, x = trainer.speedup_report.to_dict()["metrics"], trainer.speedup_report.measurement
     assert x["peak_flops_per_device"] == 2e12 and x["peak_flops_source"] == "override"
     assert m["mfu"] == pytest.approx(x["flops_per_token"] * m["tokens_per_second"] / 2e12)
     assert 0 < m["mfu"] < 1
@@ -163,7 +163,7 @@ def test_compiled_blocks_are_counted_and_their_warmup_excluded(tiny_model, datas
     for layer in tiny_model.model.layers:
         layer.compile(backend="eager")  # dynamo traces (compile time, recompiles) without inductor's C++ build
     trainer = _train(tiny_model, dataset, collator, make_args, max_steps=5, logging_steps=5)
-    m, x = trainer.speedup_report.metrics, trainer.speedup_report.measurement
+    m, x = trainer.speedup_report.to_dict()["metrics"], trainer.speedup_report.measurement
     assert m["compiled_regions"] == 4
     assert m["compile_seconds"] > 0 and x["dynamo_frames"] >= 1
     compiled_steps = [s for s, _, compiled in trainer.speedup_report.step_times if compiled]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hf_speedup import SpeedupTrainer
-from hf_speedup.callback import PREFIX, SUMMARY_METRICS
+from hf_speedup.report.schema import PREFIX, SUMMARY_METRICS
 from hf_speedup.report import REPORT_FILE
 
 pytest.importorskip("tensorboard")

@@ -65,7 +65,7 @@ def _same_precision_reference(trainer, cfg, cpu_kind):
     holds on a CPU with AMX (``auto`` -> bf16) and without (fp32) alike.
     """
     dtype = "bf16" if cpu_kind == "cpu-amx" and cfg.precision.dtype == "auto" else "fp32"
-    assert trainer.accelerator.mixed_precision == ("bf16" if dtype == "bf16" else "no"), trainer.speedup_plan["precision"]
+    assert trainer.accelerator.mixed_precision == ("bf16" if dtype == "bf16" else "no"), trainer.speedup_status["precision"]
     return dtype, get_preset("baseline").replace(precision={"dtype": dtype})
 
 
@@ -97,7 +97,7 @@ def test_every_preset_trains_and_keeps_first_step_math(preset, cpu_kind, make_ar
 @pytest.mark.slow
 def test_fast_preset_with_inductor_keeps_first_step_math(cpu_kind, make_args, dataset, collator, tmp_path):
     trainer, loss, grads = _first_step("fast", make_args, dataset, collator, tmp_path)
-    assert trainer.speedup_plan["compile"].engaged, trainer.speedup_plan["compile"].engaged_reason
+    assert trainer.speedup_status["compile"].engaged, trainer.speedup_status["compile"].engaged_reason
     dtype, reference = _same_precision_reference(trainer, get_preset("fast"), cpu_kind)
     _, base_loss, base_grads = _first_step(reference, make_args, dataset, collator, tmp_path)
     _assert_same_first_step(dtype, loss, grads, base_loss, base_grads, lora=False)

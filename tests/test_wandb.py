@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hf_speedup import SpeedupTrainer
-from hf_speedup.callback import PREFIX, STEP_METRICS, SUMMARY_METRICS
+from hf_speedup.report.schema import PREFIX, STEP_METRICS, SUMMARY_METRICS
 from hf_speedup.report import REPORT_FILE
 
 wandb = pytest.importorskip("wandb")

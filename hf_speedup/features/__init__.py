@@ -1,18 +1,24 @@
-"""One module per acceleration, each with the same small surface.
+"""One module per acceleration, each with the same small surface; its name is also its config section
+and its report key (``features/compile.py`` <-> ``SpeedupConfig.compile`` <-> ``report["plan"]["compile"]``).
 
 Every feature module defines:
 
-- ``NAME``: its key in the plan and the report;
+- ``NAME``: that one name;
+- ``Settings``: a frozen dataclass, the typed parameters ``decide`` chose and ``apply`` uses;
 - ``decide(ctx: PlanContext) -> Decision``: pure, reads config, capabilities, model info and the
-  decisions of the features before it in ``FEATURES``;
+  decisions of the features before it in ``FEATURES``; the Decision is frozen from then on;
 - ``training_args(decision, args) -> dict``: TrainingArguments overrides (``{}`` when off or when
   TrainingArguments cannot express it); used by SpeedupTrainer and by ``training_arguments()``;
-- ``apply(decision, setup: Setup) -> None``: changes ``setup.model``/``setup.data_collator``; a no-op
-  when the decision is off;
-- ``verify(decision, trainer) -> (engaged, reason)``: inspects the real objects after setup.
+- ``apply(decision, setup: Setup, outcome: Outcome) -> None``: changes ``setup.model``/``setup.data_collator``;
+  a no-op when the decision is off; what it had to do differently is recorded in ``outcome``;
+- ``verify(decision, trainer, outcome) -> (engaged, reason)``: inspects the real objects after setup
+  (facts worth reporting go to ``outcome.facts``).
 
 The order below is the order of decisions and of application (LoRA wraps before blocks are
 checkpointed and compiled; FSDP decides before checkpointing so it is done only once).
+
+Adding an acceleration: a module here with that surface, its section in ``config.py``, and its name in
+``FEATURES``; the trainer, the report and the CLI pick it up from there.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import checkpointing, data, fsdp, lora, memory, optim, precision, regional_compile
+from . import checkpointing, compile, data, fsdp, lora, memory, optimizer, precision
 
-FEATURES = (precision, lora, fsdp, checkpointing, regional_compile, optim, memory, data)
+FEATURES = (precision, lora, fsdp, checkpointing, compile, optimizer, memory, data)
 
 
 @dataclass
@@ -30,6 +36,6 @@ class Setup:
     """The objects features change before ``Trainer.__init__`` runs."""
 
     model: Any
-    args: Any  # the user's TrainingArguments, read-only: changes go to ``arg_overrides``
+    args: Any  # the user's TrainingArguments, read-only: changes go through ``training_args``
     data_collator: Any = None
     processing_class: Any = None

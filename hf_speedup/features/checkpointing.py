@@ -1,6 +1,6 @@
 """Activation (gradient) checkpointing: non-reentrant, on every N-th repeated block, done exactly once.
 
-Who checkpoints is one decision (``settings["by"]``):
+Who checkpoints is one decision (``settings.by``):
 
 - ``hf_speedup``: this module sets it on the blocks in :func:`apply` (per-block flags of transformers'
   ``GradientCheckpointingLayer``), so ``every_n_blocks`` works and the Trainer's own switch stays off.
@@ -18,16 +18,27 @@ does), keeps RNG state (dropout recomputes identically) and works under ``torch.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from .. import compat
 from ..blocks import find_blocks
-from ..plan import Decision, PlanContext
+from ..plan_types import OFF, Decision, Outcome, PlanContext
+from .checkpointing_mechanism import block_checkpoint_fn, disable_kv_cache, enable_block_checkpointing, is_non_reentrant
 
 NAME = "checkpointing"
 logger = logging.getLogger("hf_speedup")
+
+
+@dataclass(frozen=True)
+class Settings:
+    by: str | None = None  # hf_speedup | fsdp | trainer | None (nobody)
+    every_n_blocks: int = 1
+    blocks: tuple[int, ...] | None = None  # the block indices to checkpoint, where the model is known
+    override_args: bool = False  # the user's TrainingArguments asked for it: their switch is turned off
 
 
 # ----------------------------------------------------------------------------------------- decide
@@ -53,18 +64,19 @@ def decide(ctx: PlanContext) -> Decision:
     requested = {"enabled": s.enabled, "every_n_blocks": s.every_n_blocks}
     user_on = _user_args_want_it(ctx.args)
     fsdp = ctx.decisions.get("fsdp")
-    if fsdp is not None and fsdp.active and fsdp.settings.get("activation_checkpointing"):
-        return Decision(NAME, requested, "by fsdp", settings={"by": "fsdp", "override_args": user_on},
+    if fsdp is not None and fsdp.active and fsdp.settings.activation_checkpointing:
+        return Decision(NAME, requested, "by fsdp", settings=Settings(by="fsdp", override_args=user_on),
                         reason="FSDP wraps the blocks with its own activation checkpointing (fsdp decision); "
                                "done once, there, not here")
     if s.enabled is False:
         if user_on:
-            return Decision(NAME, requested, "by trainer", settings={"by": "trainer"},
+            return Decision(NAME, requested, "by trainer", settings=Settings(by="trainer"),
                             reason="off in the config, but the TrainingArguments turn it on: the stock Trainer "
                                    "checkpoints every block, unchanged")
-        return Decision(NAME, requested, "off", reason="off in the config (trades ~30% step time for activation memory)")
+        return Decision(NAME, requested, OFF, settings=Settings(),
+                        reason="off in the config (trades ~30% step time for activation memory)")
     if s.enabled == "auto" and not user_on:
-        return Decision(NAME, requested, "off",
+        return Decision(NAME, requested, OFF, settings=Settings(),
                         reason="auto: off; no memory estimate says the activations will not fit, and recomputation "
                                "costs ~30% step time; set checkpointing.enabled: true to force it")
     return _decide_blocks(ctx, requested, user_on)
@@ -76,15 +88,15 @@ def _decide_blocks(ctx: PlanContext, requested: dict, user_on: bool) -> Decision
     why = "requested" if ctx.config.checkpointing.enabled is True else "auto: the TrainingArguments ask for it"
     if user_on:
         why += "; taken over from TrainingArguments (applied per block here, the Trainer's switch is turned off)"
-    settings = {"by": "hf_speedup", "every_n_blocks": n, "use_reentrant": False, "override_args": user_on}
     if info is not None and info.num_blocks == 0:
-        return Decision(NAME, requested, "off", settings={"by": None},
-                        fallbacks=["checkpointing: no repeated block found in the model"],
+        return Decision(NAME, requested, OFF, settings=Settings(),
+                        fallbacks=("checkpointing: no repeated block found in the model",),
                         reason="cannot checkpoint: no repeated decoder block found (no _no_split_modules, no "
                                "homogeneous ModuleList)")
+    blocks = tuple(selected_blocks(info.num_blocks, n)) if info is not None else None
+    settings = Settings(by="hf_speedup", every_n_blocks=n, blocks=blocks, override_args=user_on)
     if info is not None:
-        settings["blocks"] = selected_blocks(info.num_blocks, n)
-        where = f"{len(settings['blocks'])}/{info.num_blocks} {info.block_class} blocks ({_ordinal(n)})"
+        where = f"{len(blocks)}/{info.num_blocks} {info.block_class} blocks ({_ordinal(n)})"
     else:
         where = f"{_ordinal(n)} block"
     applied = "non-reentrant" if n == 1 else f"non-reentrant, every {n} blocks"
@@ -95,7 +107,7 @@ def _decide_blocks(ctx: PlanContext, requested: dict, user_on: bool) -> Decision
 # ----------------------------------------------------------------------------------------- args
 def training_args(decision: Decision, args) -> dict:
     """Turn the Trainer's own switch off where checkpointing is done elsewhere (never twice)."""
-    if decision.settings.get("by") not in ("hf_speedup", "fsdp") or not _user_args_want_it(args):
+    if decision.settings.by not in ("hf_speedup", "fsdp") or not _user_args_want_it(args):
         return {}
     fields = compat.args_fields(type(args))
     flag, _ = compat.checkpointing_arg_names(type(args))
@@ -105,15 +117,13 @@ def training_args(decision: Decision, args) -> dict:
 def stock_trainer_args(decision: Decision, args=None) -> dict:
     """The TrainingArguments that make the *stock* Trainer do what this decision does (for
     ``training_arguments()`` users); ``{}`` where it cannot say it (selective on old transformers)."""
-    if decision.settings.get("by") != "hf_speedup":
+    if decision.settings.by != "hf_speedup":
         return {}
-    import inspect
-
     from transformers import PreTrainedModel
 
     flag, kwargs_name = compat.checkpointing_arg_names(type(args) if args is not None else None)
     kwargs = {"use_reentrant": False}
-    n = decision.settings.get("every_n_blocks", 1)
+    n = decision.settings.every_n_blocks
     if n > 1:
         enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
         if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
@@ -123,18 +133,18 @@ def stock_trainer_args(decision: Decision, args=None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- apply
-def apply(decision: Decision, setup) -> None:
-    if decision.settings.get("by") != "hf_speedup":
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
+    if decision.settings.by != "hf_speedup":
         return
     model = setup.model
     if model is None:
         logger.warning("hf_speedup: checkpointing not applied: no model (model_init is not supported)")
         return
     blocks = find_blocks(model)
-    chosen = selected_blocks(len(blocks), decision.settings["every_n_blocks"])
-    mechanism = compat.enable_block_checkpointing(blocks, chosen, {"use_reentrant": False})
-    compat.disable_kv_cache(model)
-    decision.settings.update(blocks=chosen, mechanism=mechanism)
+    chosen = selected_blocks(len(blocks), decision.settings.every_n_blocks)
+    mechanism = enable_block_checkpointing(blocks, chosen, {"use_reentrant": False})
+    disable_kv_cache(model)
+    outcome.facts.update(blocks=chosen, mechanism=mechanism)
     logger.info("hf_speedup: activation checkpointing on blocks %s of %d (%s, non-reentrant)",
                 chosen, len(blocks), mechanism)
 
@@ -144,7 +154,7 @@ def checkpointed_blocks(model) -> list[int]:
     """Indices of the blocks set up to checkpoint when training (read from the modules themselves)."""
     wrapped = _fsdp_wrapped_ids(model)
     return [i for i, b in enumerate(find_blocks(model))
-            if compat.block_checkpoint_fn(b) is not None or id(b) in wrapped]
+            if block_checkpoint_fn(b) is not None or id(b) in wrapped]
 
 
 def _fsdp_wrapped_ids(model) -> set[int]:
@@ -224,11 +234,11 @@ def _can_probe(trainer) -> tuple[bool, str]:
     return True, ""
 
 
-def verify(decision: Decision, trainer) -> tuple[bool, str]:
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     model = trainer.model
     blocks = find_blocks(model)
     active = checkpointed_blocks(model)
-    by = decision.settings.get("by")
+    by = decision.settings.by
     if by is None:
         note = f"; note: {len(active)} block(s) have checkpointing on, set outside hf_speedup" if active else ""
         return False, f"off{note}"
@@ -249,7 +259,8 @@ def verify(decision: Decision, trainer) -> tuple[bool, str]:
     if runs is None:
         return True, f"{describe} (nothing trainable: recomputation not observed)"
     recomputed = [i for i, c in runs.items() if c >= 2]
-    expected = decision.settings.get("blocks", active) if by == "hf_speedup" else active
+    planned = decision.settings.blocks if decision.settings.blocks is not None else active
+    expected = outcome.facts.get("blocks", planned) if by == "hf_speedup" else active
     expected = [i for i in expected if i in runs]
     if recomputed != expected:
         return False, f"{describe}, but one backward recomputed blocks {recomputed}, expected {expected}"
@@ -257,9 +268,9 @@ def verify(decision: Decision, trainer) -> tuple[bool, str]:
 
 
 def _describe(blocks, active: list[int], decision: Decision) -> str:
-    kinds = {compat.is_non_reentrant(compat.block_checkpoint_fn(blocks[i])) for i in active}
+    kinds = {is_non_reentrant(block_checkpoint_fn(blocks[i])) for i in active}
     reentrancy = "non-reentrant" if kinds == {True} else "reentrant" if kinds == {False} else "reentrancy unknown"
-    n = decision.settings.get("every_n_blocks")
+    n = decision.settings.every_n_blocks
     every = f", {_ordinal(n)}" if n and n > 1 else ""
     cls = type(blocks[active[0]]).__name__
     return f"{len(active)}/{len(blocks)} {cls} blocks ({_ranges(active)}{every}), {reentrancy}"

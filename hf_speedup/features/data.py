@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
 
-from ..plan import Decision, PlanContext
+from ..plan_types import Decision, Outcome, PlanContext
 
 NAME = "data"
 logger = logging.getLogger("hf_speedup")
@@ -33,6 +36,15 @@ ARG_FIELDS = {  # settings key -> TrainingArguments field
     "persistent_workers": "dataloader_persistent_workers",
     "drop_last": "dataloader_drop_last",
 }
+
+
+@dataclass(frozen=True)
+class Settings:
+    pad_to_multiple_of: int | None = None  # applied to the collator
+    loader: Mapping[str, Any] = field(default_factory=dict)  # ARG_FIELDS key -> value set in TrainingArguments
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loader", MappingProxyType(dict(self.loader)))
 
 
 # --------------------------------------------------------------------------------------------- decide
@@ -82,21 +94,23 @@ def _loader(s, caps, args) -> tuple[dict, list[str], list[str]]:
 
 def decide(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.data, ctx.caps
-    settings, reasons, fallbacks = _loader(s, caps, ctx.args)
+    loader, reasons, fallbacks = _loader(s, caps, ctx.args)
+    settings = Settings(pad_to_multiple_of=s.pad_to_multiple_of or None, loader=loader)
     if s.pad_to_multiple_of:
-        settings["pad_to_multiple_of"] = s.pad_to_multiple_of
         reasons.insert(0, f"pad batches to a multiple of {s.pad_to_multiple_of}: fewer distinct shapes (fewer "
                           "recompiles), tensor-core friendly sizes (applied to the collator)")
     for fb in fallbacks:
         logger.warning("hf_speedup data fallback: %s", fb)
     requested = _summary({k: v for k, v in vars(s).items() if v is not None})
-    applied = _summary(settings)
+    applied = _summary({"pad_to_multiple_of": settings.pad_to_multiple_of, **loader})
     reason = "; ".join(reasons) or ("not requested: TrainingArguments' loader settings and collator kept"
                                     if not fallbacks else "nothing applicable")
-    return Decision(NAME, requested=requested, applied=applied, reason=reason, settings=settings, fallbacks=fallbacks)
+    return Decision(NAME, requested=requested, applied=applied, reason=reason, settings=settings,
+                    fallbacks=tuple(fallbacks))
 
 
 def _summary(settings: dict) -> str:
+    settings = {k: v for k, v in settings.items() if k != "pad_to_multiple_of" or v}
     short = {"pad_to_multiple_of": "pad", "num_workers": "workers", "pin_memory": "pin",
              "prefetch_factor": "prefetch", "persistent_workers": "persistent", "drop_last": "drop_last"}
     return ",".join(f"{short[k]}={v}" for k, v in settings.items()) or "off"
@@ -104,7 +118,8 @@ def _summary(settings: dict) -> str:
 
 # --------------------------------------------------------------------------------------------- apply
 def training_args(decision: Decision, args) -> dict:
-    return {field: decision.settings[key] for key, field in ARG_FIELDS.items() if key in decision.settings}
+    loader = decision.settings.loader
+    return {field: loader[key] for key, field in ARG_FIELDS.items() if key in loader}
 
 
 def _is_default_padding_target(processing_class) -> bool:
@@ -136,41 +151,44 @@ def padded_collator(collator, processing_class, multiple: int):
     return new, note + (f" (was {current})" if current else "")
 
 
-def apply(decision: Decision, setup) -> None:
-    multiple = decision.settings.get("pad_to_multiple_of")
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
+    multiple = decision.settings.pad_to_multiple_of
     if not multiple:
         return
     collator, note = padded_collator(setup.data_collator, setup.processing_class, multiple)
-    decision.settings["collator_note"] = note
+    outcome.facts["collator_note"] = note
     if collator is None:
-        decision.fallbacks.append(f"pad_to_multiple_of={multiple}: {note}")
-        del decision.settings["pad_to_multiple_of"]
-        decision.applied = _summary({k: v for k, v in decision.settings.items() if k in ARG_FIELDS})
+        outcome.fallbacks.append(f"pad_to_multiple_of={multiple}: {note}")
+        outcome.applied = _summary(dict(decision.settings.loader))
         logger.warning("hf_speedup data fallback: pad_to_multiple_of=%s: %s", multiple, note)
         return
+    outcome.facts["padded"] = True
     setup.data_collator = collator
 
 
 # --------------------------------------------------------------------------------------------- verify
-def verify(decision: Decision, trainer) -> tuple[bool, str]:
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     st = decision.settings
     parts, ok, applied = [], True, False
-    if st.get("pad_to_multiple_of"):
+    multiple = st.pad_to_multiple_of if outcome.facts.get("padded") else None
+    if multiple:
         applied = True
         have = getattr(trainer.data_collator, "pad_to_multiple_of", None)
-        good = bool(have) and have % st["pad_to_multiple_of"] == 0
+        good = bool(have) and have % multiple == 0
         ok = ok and good
         parts.append(f"{type(trainer.data_collator).__name__}.pad_to_multiple_of={have}"
-                     + ("" if good else f" - MISMATCH: planned a multiple of {st['pad_to_multiple_of']}"))
-    for key, field in ARG_FIELDS.items():
-        if key not in st:
+                     + ("" if good else f" - MISMATCH: planned a multiple of {multiple}"))
+    for key, field_name in ARG_FIELDS.items():
+        if key not in st.loader:
             continue
         applied = True
-        have = getattr(trainer.args, field, None)
-        ok = ok and have == st[key]
-        parts.append(f"args.{field}={have}" + ("" if have == st[key] else f" - MISMATCH: planned {st[key]}"))
+        want = st.loader[key]
+        have = getattr(trainer.args, field_name, None)
+        ok = ok and have == want
+        parts.append(f"args.{field_name}={have}" + ("" if have == want else f" - MISMATCH: planned {want}"))
+    fallbacks = list(decision.fallbacks) + outcome.fallbacks
     if not applied:
-        return False, "; ".join(["nothing applied"] + decision.fallbacks)
-    if decision.fallbacks:
-        parts.append("not applied: " + "; ".join(decision.fallbacks))
+        return False, "; ".join(["nothing applied"] + fallbacks)
+    if fallbacks:
+        parts.append("not applied: " + "; ".join(fallbacks))
     return bool(ok), "; ".join(parts)

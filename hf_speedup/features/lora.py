@@ -17,27 +17,39 @@ does on a CPU; ``strict`` is the switch for "I need the memory saving or nothing
 
 A model that already is a PeftModel keeps its adapters (reported, never wrapped twice). A model
 loaded from a GGUF file is trainable once its stale quantizer flag is cleared (see
-:func:`hf_speedup.compat.clear_stale_gguf_quantizer`).
+:func:`hf_speedup.gguf.clear_stale_gguf_quantizer`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 
 from torch import nn
 
-from .. import compat
 from ..blocks import find_blocks
 from ..config import SpeedupConfigError
-from ..model_info import quantization_of
-from ..plan import Decision, PlanContext
+from ..gguf import clear_stale_gguf_quantizer
+from ..model_info import parameter_counts, quantization_of
+from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "lora"
 logger = logging.getLogger("hf_speedup")
 
 _BITS = {"4bit": "qlora", "8bit": "lora-8bit"}
 _LOADERS = "hf_speedup.load_model(name_or_path, speedup=...)"
+
+
+@dataclass(frozen=True)
+class Settings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str = "all-linear"  # names, or peft's "all-linear"
+    quantization: str | None = None  # the base's k-bit form: 4bit (QLoRA) | 8bit | None
+    existing: bool = False  # the model already is a PeftModel: its adapters are kept
+    gguf: bool = False  # a GGUF base, dequantized at load
 
 
 # ----------------------------------------------------------------------------------------- decide
@@ -59,21 +71,23 @@ def resolve_targets(ctx: PlanContext) -> tuple[list[str] | str, str]:
 
 def decide(ctx: PlanContext) -> Decision:
     s, info = ctx.config.lora, ctx.model
-    requested = "off" if not s.enabled else _BITS.get(s.quantization, "lora")
+    requested = OFF if not s.enabled else _BITS.get(s.quantization, "lora")
     if info is not None and info.is_peft:
-        return Decision(NAME, requested, "existing adapters", settings={"existing": True},
+        return Decision(NAME, requested, "existing adapters", settings=Settings(existing=True),
                         reason="the model already is a PeftModel: its adapters are trained as they are, "
                                "not wrapped again")
     if not s.enabled:
-        return Decision(NAME, requested, "off", reason=_off_reason(info))
+        return Decision(NAME, requested, OFF, settings=Settings(), reason=_off_reason(info))
     targets, source = resolve_targets(ctx)
-    settings = {"r": s.r, "alpha": s.alpha, "dropout": s.dropout, "target_modules": targets, "quantization": None}
-    d = Decision(NAME, requested, "lora", settings=settings, reason=f"LoRA r={s.r}, alpha={s.alpha} on {_fmt(targets)} ({source})")
-    _decide_quantization(ctx, d)
-    if info is not None and info.quantization == "gguf":
-        d.settings["gguf"] = True
-        d.reason += "; GGUF base: dequantized at load, its stale quantizer flag is cleared so the Trainer accepts it"
-    return d
+    bits, reason, fallbacks = _decide_quantization(ctx)
+    gguf = info is not None and info.quantization == "gguf"
+    reason = f"LoRA r={s.r}, alpha={s.alpha} on {_fmt(targets)} ({source})" + reason
+    if gguf:
+        reason += "; GGUF base: dequantized at load, its stale quantizer flag is cleared so the Trainer accepts it"
+    settings = Settings(r=s.r, alpha=s.alpha, dropout=s.dropout, quantization=bits, gguf=gguf,
+                        target_modules=targets if isinstance(targets, str) else tuple(targets))
+    return Decision(NAME, requested, _BITS.get(bits, "lora"), settings=settings, reason=reason,
+                    fallbacks=tuple(fallbacks))
 
 
 def _off_reason(info) -> str:
@@ -85,32 +99,30 @@ def _off_reason(info) -> str:
     return "off in the config (full fine-tuning)"
 
 
-def _decide_quantization(ctx: PlanContext, d: Decision) -> None:
-    """QLoRA / 8-bit base, or the explicit fallback to plain LoRA (or an error when strict)."""
+def _decide_quantization(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
+    """(base quantization, reason suffix, fallbacks): QLoRA / 8-bit base, or the explicit fallback to
+    plain LoRA (or an error when strict)."""
     s, caps, info = ctx.config.lora, ctx.caps, ctx.model
     have = info.quantization if info is not None and info.quantization in ("4bit", "8bit") else None
     if have:  # already quantized at load: adapt what is there, whatever the config says
-        d.applied, d.settings["quantization"] = _BITS[have], have
-        d.reason += f"; base loaded in {have} (k-bit preparation, non-reentrant)"
-        if s.quantization and s.quantization != have:
-            d.fallbacks.append(f"{_BITS[s.quantization]} -> {_BITS[have]}: the model was loaded in {have}")
-        return
+        fallbacks = ([f"{_BITS[s.quantization]} -> {_BITS[have]}: the model was loaded in {have}"]
+                     if s.quantization and s.quantization != have else [])
+        return have, f"; base loaded in {have} (k-bit preparation, non-reentrant)", fallbacks
     if not s.quantization:
-        return
+        return None, "", []
     problem = _quantization_problem(s.quantization, caps, info)
     if problem is None:  # no model yet: load_model will quantize it
-        d.applied, d.settings["quantization"] = _BITS[s.quantization], s.quantization
-        d.reason += f"; base in {s.quantization} ({'NF4, double quantization' if s.quantization == '4bit' else 'LLM.int8'}) at load time"
-        return
+        how = "NF4, double quantization" if s.quantization == "4bit" else "LLM.int8"
+        return s.quantization, f"; base in {s.quantization} ({how}) at load time", []
     field_problem, fix = problem
     if s.strict:
         raise SpeedupConfigError([
             f"lora.quantization = {s.quantization!r} cannot be honoured: {field_problem}; allowed here: null "
             f"(plain LoRA); fix: {fix}, or set lora.strict: false to fall back to plain LoRA"
         ])
-    d.fallbacks.append(f"{_BITS[s.quantization]} -> lora: {field_problem}")
-    d.reason += f"; fell back from {_BITS[s.quantization]} to plain LoRA: {field_problem} ({fix})"
     logger.warning("hf_speedup: %s -> plain LoRA: %s (%s)", _BITS[s.quantization], field_problem, fix)
+    return (None, f"; fell back from {_BITS[s.quantization]} to plain LoRA: {field_problem} ({fix})",
+            [f"{_BITS[s.quantization]} -> lora: {field_problem}"])
 
 
 def _quantization_problem(bits: str, caps, info) -> tuple[str, str] | None:
@@ -134,7 +146,7 @@ def training_args(decision: Decision, args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- apply
-def apply(decision: Decision, setup) -> None:
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
     """k-bit preparation (k-bit bases), then ``get_peft_model``; a no-op when off or already peft."""
     if not decision.active:
         return
@@ -142,22 +154,23 @@ def apply(decision: Decision, setup) -> None:
     if model is None:
         logger.warning("hf_speedup: LoRA not applied: no model (model_init is not supported)")
         return
-    note = compat.clear_stale_gguf_quantizer(model)
+    note = clear_stale_gguf_quantizer(model)
     if note:
-        decision.settings["gguf"] = note
+        outcome.facts["gguf"] = note
         logger.info("hf_speedup: %s", note)
-    if decision.settings.get("existing"):
+    if decision.settings.existing:
         return
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    targets = decision.settings["target_modules"]
+    targets = decision.settings.target_modules
+    targets = targets if isinstance(targets, str) else list(targets)
     _check_targets(model, targets)
     if quantization_of(model) in ("4bit", "8bit"):
         # Checkpointing is the checkpointing feature's job (applied next, per block, non-reentrant):
         # peft's own switch would enable it on every block, reentrant, a second time.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    config = LoraConfig(r=decision.settings["r"], lora_alpha=decision.settings["alpha"],
-                        lora_dropout=decision.settings["dropout"], target_modules=targets, bias="none",
+    st = decision.settings
+    config = LoraConfig(r=st.r, lora_alpha=st.alpha, lora_dropout=st.dropout, target_modules=targets, bias="none",
                         task_type="CAUSAL_LM")
     setup.model = get_peft_model(model, config)
     logger.info("hf_speedup: LoRA (%s) on %s", decision.applied, _fmt(targets))
@@ -209,24 +222,23 @@ def non_adapter_trainables(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n and "modules_to_save" not in n]
 
 
-def verify(decision: Decision, trainer) -> tuple[bool, str]:
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     model = trainer.model
     if not decision.active:
         return False, "off"
     if not hasattr(model, "peft_config"):
         return False, f"the trained model is a {type(model).__name__}, not a PeftModel"
     layers = lora_layers(model)
-    if decision.settings.get("existing"):
+    if decision.settings.existing:
         adapters = {k: sorted(getattr(v, "target_modules", None) or []) for k, v in model.peft_config.items()}
         return bool(layers), f"existing adapters kept: {adapters}; {len(layers)} LoRA layers"
     problems = _problems(model, decision, layers)
     counts = Counter(n.split(".")[-1] for n in layers)
     kinds = Counter(f"{type(m).__module__.split('.')[-2]}.{type(m).__name__}" for m in layers.values())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    params = parameter_counts(model)  # the report's own counter (4-bit packed weights counted unpacked)
     summary = (f"{len(layers)} LoRA layers ({', '.join(f'{k}x{v}' for k, v in counts.items())}; "
-               f"{', '.join(kinds)}); only adapters train: {trainable:,} of {total:,} parameters")
-    if decision.settings.get("quantization") == "4bit":
+               f"{', '.join(kinds)}); only adapters train: {params.trainable:,} of {params.total:,} parameters")
+    if decision.settings.quantization == "4bit":
         summary += "; base weights Params4bit"
     if problems:
         return False, f"{summary}; but {'; '.join(problems)}"
@@ -237,13 +249,13 @@ def _problems(model, decision: Decision, layers) -> list[str]:
     out = []
     if not layers:
         out.append("no LoRA layer found")
-    missing = unwrapped_targets(model, decision.settings.get("target_modules", "all-linear"))
+    missing = unwrapped_targets(model, decision.settings.target_modules)
     if missing:
         out.append(f"{len(missing)} target layer(s) not wrapped, e.g. {missing[:3]}")
     extra = non_adapter_trainables(model)
     if extra:
         out.append(f"{len(extra)} base parameter(s) still train, e.g. {extra[:3]}")
-    want = {"4bit": "Params4bit", "8bit": "Int8Params"}.get(decision.settings.get("quantization"))
+    want = {"4bit": "Params4bit", "8bit": "Int8Params"}.get(decision.settings.quantization)
     if want:
         wrong = [n for n, m in layers.items() if type(m.get_base_layer().weight).__name__ != want]
         if wrong:

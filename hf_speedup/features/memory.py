@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, MutableMapping
 
-from ..plan import Decision, PlanContext
+from ..compat import get_allocator_settings, set_allocator_settings
+from ..cpu_allocator import PROBE_BYTES, reallocation_faults, reuse_freed_memory, unavailable_reason
+from ..plan_types import OFF, Decision, Outcome, PlanContext
+from ..presets import resolve
 
-NAME = "empty_cache"
+NAME = "memory"
 ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the order torch's CUDA allocator reads them
 EXPANDABLE = "expandable_segments:True"
 logger = logging.getLogger("hf_speedup")
@@ -66,9 +70,7 @@ def memory_env(speedup: Any = "memory", environ: MutableMapping[str, str] | None
     For ``accelerate launch`` (its YAML has no env section): ``export`` these before launching, or
     ``os.environ.update(memory_env(...))`` before CUDA is touched.
     """
-    from ..plan import resolve_config
-
-    cfg = resolve_config(speedup)
+    cfg = resolve(speedup)
     return allocator_env(True, environ) if cfg.memory.expandable_segments else {}
 
 
@@ -84,8 +86,6 @@ def enable_expandable_segments(environ: MutableMapping[str, str] | None = None) 
     Returns (set, how): ``set`` is False only when this torch offers no way to change it at run time and
     CUDA is already initialised.
     """
-    from ..compat import set_allocator_settings
-
     environ = os.environ if environ is None else environ
     early = not cuda_initialized()
     if early:
@@ -101,9 +101,16 @@ def enable_expandable_segments(environ: MutableMapping[str, str] | None = None) 
 
 
 # --------------------------------------------------------------------------------------------- decide
+@dataclass(frozen=True)
+class Settings:
+    empty_cache_steps: int | None = None  # CUDA only
+    expandable_segments: bool = False  # CUDA only
+    cpu_reuse_freed: bool = False  # CPU training on glibc only
+
+
 def _summary(steps: int | None, expandable: bool) -> str:
     parts = ([f"every {steps} steps"] if steps else []) + (["expandable"] if expandable else [])
-    return " + ".join(parts) or "off"
+    return " + ".join(parts) or OFF
 
 
 CPU_REUSE = "cpu-reuse-freed"
@@ -112,88 +119,80 @@ CPU_REUSE_WHY = ("CPU malloc keeps freed blocks mapped (glibc mmap/trim threshol
 
 
 def _join(a: str, b: str) -> str:
-    return b if a in ("off", "") else f"{a} + {b}"
+    return b if a in (OFF, "") else f"{a} + {b}"
 
 
 def decide(ctx: PlanContext) -> Decision:
-    decision = _decide_cuda_knobs(ctx)
-    decision.settings["cpu_reuse_freed"] = False
-    if ctx.config.memory.cpu_reuse_freed:
-        _add_cpu_reuse(decision, ctx.caps)
-    return decision
+    cuda = _decide_cuda_knobs(ctx)
+    if not ctx.config.memory.cpu_reuse_freed:
+        return cuda
+    return _with_cpu_reuse(cuda, ctx.caps)
 
 
-def _add_cpu_reuse(decision: Decision, caps) -> None:
-    from ..cpu_allocator import unavailable_reason
-
-    had_reason = decision.applied != "off" or bool(decision.fallbacks)  # else the reason is "not requested"
-    decision.requested = _join(decision.requested, CPU_REUSE)
-    if caps.device_type != "cpu":
-        why = f"not applied on {caps.device_type}: tensors live in the device allocator, not CPU malloc"
-    else:
-        why = unavailable_reason()
+def _with_cpu_reuse(decision: Decision, caps) -> Decision:
+    had_reason = decision.applied != OFF or bool(decision.fallbacks)  # else the reason is "not requested"
+    why = (f"not applied on {caps.device_type}: tensors live in the device allocator, not CPU malloc"
+           if caps.device_type != "cpu" else unavailable_reason())
+    changes: dict = {"requested": _join(decision.requested, CPU_REUSE)}
     if why:
-        decision.fallbacks.append(f"{CPU_REUSE}: {why}")
-        logger.info("hf_speedup empty_cache: %s: %s", CPU_REUSE, why)
+        changes["fallbacks"] = decision.fallbacks + (f"{CPU_REUSE}: {why}",)
+        logger.info("hf_speedup memory: %s: %s", CPU_REUSE, why)
         text = f"{CPU_REUSE}: {why}"
     else:
-        decision.settings["cpu_reuse_freed"] = True
-        decision.applied = _join(decision.applied, CPU_REUSE)
+        changes["settings"] = Settings(decision.settings.empty_cache_steps, decision.settings.expandable_segments,
+                                       cpu_reuse_freed=True)
+        changes["applied"] = _join(decision.applied, CPU_REUSE)
         text = CPU_REUSE_WHY
-    decision.reason = f"{decision.reason}; {text}" if had_reason else text
+    changes["reason"] = f"{decision.reason}; {text}" if had_reason else text
+    return decision.replace(**changes)
 
 
 def _decide_cuda_knobs(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.memory, ctx.caps
     requested = _summary(s.empty_cache_steps, s.expandable_segments)
-    settings = {"empty_cache_steps": None, "expandable_segments": False}
-    if requested == "off":
+    if requested == OFF:
         user = getattr(ctx.args, "torch_empty_cache_steps", None) if ctx.args is not None else None
         note = f" (TrainingArguments' own torch_empty_cache_steps={user} is kept)" if user else ""
-        return Decision(NAME, requested="off", applied="off", reason="not requested" + note, settings=settings)
+        return Decision(NAME, requested=OFF, applied=OFF, reason="not requested" + note, settings=Settings())
     if caps.device_type != "cuda":
         why = (f"not applicable on {caps.device_type}: no CUDA caching allocator (empty_cache and "
                "expandable_segments only act on CUDA memory)")
-        logger.info("hf_speedup empty_cache: %s", why)
-        return Decision(NAME, requested=requested, applied="off", reason=why, settings=settings,
-                        fallbacks=[f"{requested}: {why}"])
+        logger.info("hf_speedup memory: %s", why)
+        return Decision(NAME, requested=requested, applied=OFF, reason=why, settings=Settings(),
+                        fallbacks=(f"{requested}: {why}",))
     reasons = []
     if s.empty_cache_steps:
-        settings["empty_cache_steps"] = s.empty_cache_steps
         reasons.append(f"torch.cuda.empty_cache() every {s.empty_cache_steps} steps: lower reserved memory and "
                        "fragmentation, at some step-time cost")
     if s.expandable_segments:
-        settings["expandable_segments"] = True
         reasons.append("expandable_segments: the allocator grows segments instead of caching fixed-size ones "
                        "(less fragmentation); set before CUDA initialises where possible")
-    return Decision(NAME, requested=requested, applied=requested, reason="; ".join(reasons), settings=settings)
+    return Decision(NAME, requested=requested, applied=requested, reason="; ".join(reasons),
+                    settings=Settings(empty_cache_steps=s.empty_cache_steps or None,
+                                      expandable_segments=bool(s.expandable_segments)))
 
 
 # --------------------------------------------------------------------------------------------- apply
 def training_args(decision: Decision, args) -> dict:
-    steps = decision.settings.get("empty_cache_steps")
+    steps = decision.settings.empty_cache_steps
     return {"torch_empty_cache_steps": steps} if steps else {}
 
 
-def apply(decision: Decision, setup) -> None:
-    if decision.settings.get("cpu_reuse_freed"):
-        from ..cpu_allocator import reuse_freed_memory
-
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
+    if decision.settings.cpu_reuse_freed:
         ok, how = reuse_freed_memory()
-        decision.settings["cpu_reuse_how"] = how
-        (logger.info if ok else logger.warning)("hf_speedup empty_cache: %s: %s", CPU_REUSE, how)
-    if not decision.settings.get("expandable_segments"):
+        outcome.facts["cpu_reuse_how"] = how
+        (logger.info if ok else logger.warning)("hf_speedup memory: %s: %s", CPU_REUSE, how)
+    if not decision.settings.expandable_segments:
         return
     ok, how = enable_expandable_segments()
-    decision.settings["expandable_how"] = how
-    (logger.info if ok else logger.warning)("hf_speedup empty_cache: expandable_segments %s", how)
+    outcome.facts["expandable_how"] = how
+    (logger.info if ok else logger.warning)("hf_speedup memory: expandable_segments %s", how)
 
 
 # --------------------------------------------------------------------------------------------- verify
 def _expandable_in_force() -> tuple[bool, str]:
     import torch
-
-    from ..compat import get_allocator_settings
 
     conf = get_allocator_settings()
     if conf is None:  # torch without a getter: the env is the best evidence there is
@@ -216,8 +215,6 @@ def _expandable_in_force() -> tuple[bool, str]:
 
 def _cpu_reuse_in_force(how: str | None) -> tuple[bool, str]:
     """Probe: a freed 40 MiB block allocated and written again must not fault its pages in again."""
-    from ..cpu_allocator import PROBE_BYTES, reallocation_faults
-
     faults, pages = reallocation_faults()
     on = faults <= pages // 100
     text = (f"{CPU_REUSE} {'on' if on else 'OFF'}: re-allocating a freed {PROBE_BYTES >> 20} MiB block faulted "
@@ -225,23 +222,23 @@ def _cpu_reuse_in_force(how: str | None) -> tuple[bool, str]:
     return on, text
 
 
-def verify(decision: Decision, trainer) -> tuple[bool, str]:
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     st = decision.settings
-    if not (st.get("empty_cache_steps") or st.get("expandable_segments") or st.get("cpu_reuse_freed")):
+    if not (st.empty_cache_steps or st.expandable_segments or st.cpu_reuse_freed):
         return False, decision.reason
     parts, ok = [], True
-    if st.get("cpu_reuse_freed"):
-        on, text = _cpu_reuse_in_force(st.get("cpu_reuse_how"))
+    if st.cpu_reuse_freed:
+        on, text = _cpu_reuse_in_force(outcome.facts.get("cpu_reuse_how"))
         ok = ok and on
         parts.append(text)
-    if st.get("empty_cache_steps"):
+    if st.empty_cache_steps:
         have = getattr(trainer.args, "torch_empty_cache_steps", None)
-        ok = ok and have == st["empty_cache_steps"]
+        ok = ok and have == st.empty_cache_steps
         parts.append(f"args.torch_empty_cache_steps={have}")
-    if st.get("expandable_segments"):
+    if st.expandable_segments:
         on, text = _expandable_in_force()
         ok = ok and on
         parts.append(f"expandable_segments {'on' if on else 'OFF'} ({text})")
-        if st.get("expandable_how"):
-            parts.append(st["expandable_how"])
+        if outcome.facts.get("expandable_how"):
+            parts.append(outcome.facts["expandable_how"])
     return bool(ok), "; ".join(parts)

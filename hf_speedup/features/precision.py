@@ -15,13 +15,39 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
+import torch
+
+from ..compat import tf32_matmul_enabled
 from ..config import SpeedupConfigError
-from ..plan import Decision, PlanContext
+from ..dtypes import short_name, to_dtype
+from ..plan_types import Decision, Outcome, PlanContext
+from .fallback import walk_chain
 
 NAME = "precision"
 CHAIN = ("bf16", "fp16", "fp32")
 logger = logging.getLogger("hf_speedup")
+
+
+@dataclass(frozen=True)
+class Settings:
+    dtype: torch.dtype  # the compute dtype: bf16/fp16 autocast, or fp32 (no mixed precision)
+    keep: bool  # the TrainingArguments' own flags stay as they are (baseline)
+    tf32: bool | None  # TF32 matmuls to set, or None to leave alone
+    tf32_requested: Any
+    cudnn_benchmark: bool
+    device_type: str
+
+    @property
+    def name(self) -> str:
+        """``'bf16'`` | ``'fp16'`` | ``'fp32'``."""
+        return short_name(self.dtype)
+
+    @property
+    def grad_scaling(self) -> bool:
+        return self.dtype == torch.float16
 
 
 # --------------------------------------------------------------------------------------------- decide
@@ -58,22 +84,18 @@ def _strict_error(field: str, value, why: str, allowed: list, fix: str) -> Speed
 
 def _walk_chain(wanted: str, caps, strict: bool, from_args: bool = False) -> tuple[str, list[str]]:
     """First runnable dtype from ``wanted`` down the chain; each skipped step becomes a fallback."""
-    fallbacks: list[str] = []
-    for dtype in CHAIN[CHAIN.index(wanted):]:
-        ok, why = runnable(dtype, caps)
-        if ok:
-            return dtype, fallbacks
-        if strict:
-            allowed = [d for d in CHAIN if runnable(d, caps)[0]] + ["auto"]
-            if from_args:  # auto keeps the TrainingArguments' flag, so that flag is what cannot run
-                raise _strict_error(f"TrainingArguments.{dtype}", True, why, allowed,
-                                    f"set {dtype}=False in TrainingArguments (precision.dtype: auto then picks "
-                                    "for this machine), or precision.strict: false")
-            raise _strict_error("precision.dtype", dtype, why, allowed,
-                                "set precision.dtype: auto (or one of the allowed values), or precision.strict: "
-                                "false to fall back along bf16 -> fp16 -> fp32")
-        fallbacks.append(f"{dtype}: {why}")
-    raise AssertionError("fp32 always runs")  # pragma: no cover
+
+    def strict_error(dtype: str, why: str) -> SpeedupConfigError:
+        allowed = [d for d in CHAIN if runnable(d, caps)[0]] + ["auto"]
+        if from_args:  # auto keeps the TrainingArguments' flag, so that flag is what cannot run
+            return _strict_error(f"TrainingArguments.{dtype}", True, why, allowed,
+                                 f"set {dtype}=False in TrainingArguments (precision.dtype: auto then picks "
+                                 "for this machine), or precision.strict: false")
+        return _strict_error("precision.dtype", dtype, why, allowed,
+                             "set precision.dtype: auto (or one of the allowed values), or precision.strict: "
+                             "false to fall back along bf16 -> fp16 -> fp32")
+
+    return walk_chain(CHAIN[CHAIN.index(wanted):], lambda d: runnable(d, caps), strict_error if strict else None)
 
 
 def _auto_dtype(caps) -> tuple[str, str]:
@@ -156,10 +178,9 @@ def decide(ctx: PlanContext) -> Decision:
         notes.append("note: the weights are bfloat16, so compute runs in bf16 without autocast")
     decision = Decision(
         NAME, requested=s.dtype, applied=dtype + ("+tf32" if tf32 else ""), reason="; ".join(notes),
-        settings={"dtype": dtype, "keep": s.dtype == "keep", "tf32": tf32, "tf32_requested": s.tf32,
-                  "cudnn_benchmark": cudnn_benchmark, "grad_scaling": dtype == "fp16",
-                  "device_type": caps.device_type},
-        fallbacks=fallbacks + tf32_fallbacks,
+        settings=Settings(dtype=to_dtype(dtype), keep=s.dtype == "keep", tf32=tf32, tf32_requested=s.tf32,
+                          cudnn_benchmark=cudnn_benchmark, device_type=caps.device_type),
+        fallbacks=tuple(fallbacks + tf32_fallbacks),
     )
     for fb in decision.fallbacks:
         logger.warning("hf_speedup precision fallback: %s", fb)
@@ -173,28 +194,26 @@ def training_args(decision: Decision, args) -> dict:
     """bf16/fp16/tf32 overrides; nothing for ``keep`` (the baseline must leave the args untouched)."""
     st = decision.settings
     out: dict = {}
-    if not st.get("keep"):
-        out.update(bf16=st["dtype"] == "bf16", fp16=st["dtype"] == "fp16")
+    if not st.keep:
+        out.update(bf16=st.name == "bf16", fp16=st.name == "fp16")
         # TrainingArguments refuses bf16 without a bf16 GPU unless told the run is on CPU
-        if st["dtype"] == "bf16" and st.get("device_type") == "cpu" and not getattr(args, "use_cpu", False):
+        if st.name == "bf16" and st.device_type == "cpu" and not getattr(args, "use_cpu", False):
             out["use_cpu"] = True
-    if st.get("tf32") is not None:
-        out["tf32"] = st["tf32"]
+    if st.tf32 is not None:
+        out["tf32"] = st.tf32
     return out
 
 
-def apply(decision: Decision, setup) -> None:
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
     """cudnn.benchmark is process-global torch state, not a TrainingArguments field: set it here."""
-    if decision.settings.get("cudnn_benchmark"):
-        import torch
-
+    if decision.settings.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
         logger.info("hf_speedup precision: torch.backends.cudnn.benchmark = True")
 
 
 # --------------------------------------------------------------------------------------------- verify
 def _trainable_dtypes(model) -> Counter:
-    return Counter(str(p.dtype).replace("torch.", "") for p in model.parameters() if p.requires_grad)
+    return Counter(short_name(p.dtype) for p in model.parameters() if p.requires_grad)
 
 
 def _dtype_in_force(trainer) -> tuple[str, str]:
@@ -217,13 +236,9 @@ def _dtype_in_force(trainer) -> tuple[str, str]:
     return "fp32", evidence
 
 
-def verify(decision: Decision, trainer) -> tuple[bool, str]:
-    import torch
-
-    from ..compat import tf32_matmul_enabled
-
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     st = decision.settings
-    want = st.get("dtype", "fp32")
+    want = st.name
     have, evidence = _dtype_in_force(trainer)
     parts, ok = [], True
     dtypes = _trainable_dtypes(trainer.model)
@@ -238,14 +253,14 @@ def verify(decision: Decision, trainer) -> tuple[bool, str]:
         parts.append(f"{want} autocast in force ({evidence})")
     parts.append(f"trainable weights {weights}")
     accelerated = want != "fp32"
-    if st.get("tf32") is not None:
+    if st.tf32 is not None:
         on = tf32_matmul_enabled()
         parts.append(f"TF32 matmuls {'on' if on else 'off'}")
-        if on != st["tf32"]:
+        if on != st.tf32:
             ok = False
-            parts.append(f"MISMATCH: planned tf32={st['tf32']}")
-        accelerated = accelerated or bool(st["tf32"])
-    if st.get("cudnn_benchmark"):
+            parts.append(f"MISMATCH: planned tf32={st.tf32}")
+        accelerated = accelerated or bool(st.tf32)
+    if st.cudnn_benchmark:
         bench = bool(torch.backends.cudnn.benchmark)
         parts.append(f"cudnn.benchmark={bench}")
         ok = ok and bench

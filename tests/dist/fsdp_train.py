@@ -72,13 +72,13 @@ def reference_losses(out, speedup="fsdp") -> tuple[dict[int, float], dict]:
     tok, ds = data()
     tr = trainer_for(build(0), make_args(out, GLOBAL_BATCH, save_strategy="no"), speedup, tok, ds)
     tr.train()
-    return losses(tr), tr.speedup_plan["fsdp"].to_dict()
+    return losses(tr), tr.speedup_status["fsdp"].to_dict()
 
 
 def _facts(trainer) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from hf_speedup.sharding import sharding_summary
+    from hf_speedup.features.fsdp.summary import sharding_summary
 
     model = trainer.model
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -92,10 +92,10 @@ def _facts(trainer) -> dict:
         "embed_local_shape": list(w.to_local().shape) if isinstance(w, DTensor) else None,
         "embed_global_shape": list(w.shape) if w is not None else None,
         "embed_placements": str(tuple(w.placements)) if isinstance(w, DTensor) else None,
-        "decision": trainer.speedup_plan["fsdp"].to_dict(),
-        "checkpointing": trainer.speedup_plan["checkpointing"].to_dict(),
-        "lora": trainer.speedup_plan["lora"].to_dict(),
-        "compute_dtype": trainer.speedup_plan["precision"].settings["dtype"],  # bf16 on AMX CPUs, else fp32
+        "decision": trainer.speedup_status["fsdp"].to_dict(),
+        "checkpointing": trainer.speedup_status["checkpointing"].to_dict(),
+        "lora": trainer.speedup_status["lora"].to_dict(),
+        "compute_dtype": trainer.speedup_status["precision"].settings.name,  # "bf16" on AMX CPUs, else "fp32"
     }
 
 
@@ -105,7 +105,8 @@ def phase_main(out: Path, rank: int, res: dict) -> None:
     tok, ds = data()
     # each rank initialises differently: the run can only match the reference if rank 0's weights are broadcast
     tr = trainer_for(build(seed=rank), make_args(out / "main", GLOBAL_BATCH // _world()), "fsdp", tok, ds)
-    res["main_init"] = {"engaged": tr.speedup_plan["fsdp"].engaged, "reason": tr.speedup_plan["fsdp"].engaged_reason}
+    state = tr.speedup_status["fsdp"]
+    res["main_init"] = {"engaged": state.engaged, "reason": state.engaged_reason}
     tr.train()
     res["main"] = {"losses": losses(tr), **_facts(tr)}
     ck = out / "main" / f"checkpoint-{SAVE_AT}"
@@ -135,11 +136,11 @@ def phase_resume(out: Path, rank: int, res: dict) -> None:
     # another seed: every weight the resumed run trains with must come from the checkpoint
     tr = trainer_for(build(seed=1), make_args(out / "resume", GLOBAL_BATCH // _world()), "fsdp", tok, ds)
     tr.train(resume_from_checkpoint=str(out / "main" / f"checkpoint-{SAVE_AT}"))
-    res["resume"] = {"losses": losses(tr), "engaged": tr.speedup_plan["fsdp"].engaged}
+    res["resume"] = {"losses": losses(tr), "engaged": tr.speedup_status["fsdp"].engaged}
 
 
 def phase_lora(out: Path, rank: int, res: dict) -> None:
-    from hf_speedup.sharding import full_model_state_dict
+    from hf_speedup.features.fsdp.checkpoint import full_model_state_dict
 
     tok, ds = data()
     tr = trainer_for(build(0), make_args(out / "lora", GLOBAL_BATCH // _world(), max_steps=4, save_strategy="no"),
@@ -221,7 +222,7 @@ def phase_strategies(out: Path, rank: int, res: dict) -> None:
     tr = trainer_for(build(0), make_args(out / "bf16", GLOBAL_BATCH // _world(), max_steps=3, save_strategy="no"),
                      cfg, tok, ds)
     tr.train()
-    res["strategies"]["bf16"] = {"losses": losses(tr), "precision": tr.speedup_plan["precision"].to_dict(),
+    res["strategies"]["bf16"] = {"losses": losses(tr), "precision": tr.speedup_status["precision"].to_dict(),
                                  **_facts(tr)}
 
 
@@ -234,7 +235,7 @@ def phase_compile(out: Path, rank: int, res: dict) -> None:
     tr = trainer_for(build(0), make_args(out / "compile", GLOBAL_BATCH // _world(), max_steps=4, save_strategy="no"),
                      cfg, tok, ds)
     tr.train()
-    res["compile"] = {"losses": losses(tr), "compile": tr.speedup_plan["compile"].to_dict(), **_facts(tr)}
+    res["compile"] = {"losses": losses(tr), "compile": tr.speedup_status["compile"].to_dict(), **_facts(tr)}
 
 
 def phase_trap(out: Path, rank: int, res: dict) -> None:
@@ -252,7 +253,7 @@ def phase_trap(out: Path, rank: int, res: dict) -> None:
     stock.train()
     info = {"stock_wrapped": type(stock.model_wrapped).__name__, "stock_fsdp_enabled": stock.is_fsdp_enabled}
     tr = trainer_for(build(0), args, "auto", tok, ds)  # fsdp not requested by hf_speedup: reported, not hidden
-    info["auto_fsdp"] = tr.speedup_plan["fsdp"].to_dict()
+    info["auto_fsdp"] = tr.speedup_status["fsdp"].to_dict()
     # a built optimizer holds the unsharded parameters: refused, with the fix
     from hf_speedup import SpeedupTrainer
 

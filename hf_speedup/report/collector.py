@@ -1,4 +1,4 @@
-"""TrainerCallback that verifies the plan, measures the run and reports it (trackers, JSON, console).
+"""The collector: a TrainerCallback that verifies the plan, measures the run and hands the report to the sinks.
 
 How it measures without adding device synchronisation:
 
@@ -20,53 +20,22 @@ Only the main process prints and writes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import statistics
-import sys
 import time
 from array import array
-from typing import Any
 
 from transformers import TrainerCallback
 
-from . import metrics as M
-from .peak_flops import resolve_peak_flops
+from ..model_info import ParamCounts, parameter_counts
+from ..peak_flops import resolve_peak_flops
+from . import measure as M
+from . import sinks
+from .schema import PREFIX, STEP_METRICS, SUMMARY_METRICS, Metrics
 
 logger = logging.getLogger("hf_speedup")
-
-PREFIX = "hf_speedup/"
-# Logged at every logging step (the summary adds the rest of the DESIGN metrics).
-STEP_METRICS = ("tokens_per_second", "samples_per_second", "step_time_s", "mfu", "peak_memory_allocated_bytes",
-                "peak_memory_reserved_bytes", "recompiles")
-SUMMARY_METRICS = ("tokens_per_second", "samples_per_second", "step_time_s", "mfu", "peak_memory_allocated_bytes",
-                   "peak_memory_reserved_bytes", "compile_seconds", "recompiles", "graph_breaks", "compiled_regions",
-                   "trainable_parameters", "total_parameters")
-PLAN_FIELDS = ("requested", "applied", "engaged", "reason", "fallbacks")
-
-
-def _wandb_run():
-    """The active W&B run, without importing wandb when nobody else did."""
-    wandb = sys.modules.get("wandb")
-    return getattr(wandb, "run", None) if wandb is not None else None
-
-
-def wandb_config_items(report: dict) -> dict:
-    """``hf_speedup/<feature>/<field>`` for the plan (plus preset and device) — the W&B config keys."""
-    out: dict[str, Any] = {PREFIX + "preset": report.get("preset")}
-    env = report.get("environment") or {}
-    if env.get("device_name"):
-        out[PREFIX + "device_name"] = env["device_name"]
-    for feature, entry in (report.get("plan") or {}).items():
-        for field in PLAN_FIELDS:
-            if field in entry:
-                out[f"{PREFIX}{feature}/{field}"] = entry[field]
-    return out
-
-
-def wandb_summary_items(report: dict) -> dict:
-    """``hf_speedup/<metric>`` for every known metric of the report (W&B drops nulls, so do we)."""
-    return {PREFIX + k: v for k, v in (report.get("metrics") or {}).items() if v is not None}
 
 
 class SpeedupCallback(TrainerCallback):
@@ -79,7 +48,7 @@ class SpeedupCallback(TrainerCallback):
         self.max_history = max_history
         self.max_step_times = max_step_times
         self.counter = M.TokenCounter()
-        self.params: M.ParamCounts | None = None
+        self.params: ParamCounts | None = None
         self.layers = self.attention_width = None
         self._describe_model()  # now, before accelerate/FSDP wraps or shards it
         self._resolve_peak()  # a malformed HF_SPEEDUP_PEAK_FLOPS fails here, before training
@@ -90,7 +59,7 @@ class SpeedupCallback(TrainerCallback):
     def _describe_model(self) -> None:
         model = self.trainer.model
         if model is not None and self.params is None:
-            self.params = M.parameter_counts(model)
+            self.params = parameter_counts(model)
             self.layers, self.attention_width = M.attention_dims(model)
 
     def _resolve_peak(self) -> None:
@@ -134,7 +103,7 @@ class SpeedupCallback(TrainerCallback):
         if "train_runtime" in logs:  # the Trainer's end-of-training log
             if not self.finalized:
                 self.finalize()
-            logs.update(self._log_values(self.trainer.speedup_report.metrics, SUMMARY_METRICS))
+            logs.update(self._log_values(dataclasses.asdict(self.trainer.speedup_report.metrics), SUMMARY_METRICS))
         elif "loss" in logs and not any(k.startswith(("eval_", "test_")) for k in logs):
             step = self.trainer.state.global_step
             if step != self.last_logged_step and len(self.step_times) > self.last_log["index"]:
@@ -202,7 +171,7 @@ class SpeedupCallback(TrainerCallback):
         self.history.append(entry)
         return entry
 
-    def finalize(self) -> dict:
+    def finalize(self) -> Metrics:
         """Steady-state summary of the run into ``trainer.speedup_report`` (every process calls it)."""
         agg = self._gather()
         steps = len(self.step_times)
@@ -214,8 +183,8 @@ class SpeedupCallback(TrainerCallback):
         devices = self._num_devices()
         dyn = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())
         trainer = self.trainer
-        params = self.params or M.ParamCounts(0, 0, 0, 0, 0)
-        metrics = {
+        params = self.params or ParamCounts(0, 0, 0, 0, 0)
+        metrics = Metrics(**{
             "tokens_per_second": tps,
             "samples_per_second": sps,
             "step_time_s": step_time,
@@ -228,7 +197,7 @@ class SpeedupCallback(TrainerCallback):
             "compiled_regions": M.compiled_regions(getattr(trainer, "model_wrapped", None), trainer.model),
             "trainable_parameters": params.trainable,
             "total_parameters": params.total,
-        }
+        })
         measurement = {
             "steps": steps,
             "steady_state_steps": steady,
@@ -272,12 +241,12 @@ class SpeedupCallback(TrainerCallback):
         report = self.trainer.speedup_report
         report.environment = M.environment(self.trainer.speedup_plan.caps)
         report.environment["world_size"] = self._num_devices()
-        report.metrics, report.measurement, report.history, report.step_times = {}, {}, [], []
+        report.metrics, report.measurement, report.history, report.step_times = Metrics(), {}, [], []
         if state.is_world_process_zero:
             if self.print_tables:
-                print(report.table(), flush=True)
-            self._to_wandb(report.to_dict(), summary=False)
-            report.write(args.output_dir)
+                sinks.print_plan(report)
+            sinks.to_wandb(report.to_dict(), summary=False)
+            sinks.write_json(report, args.output_dir)
         self.t_begin = self.t_last = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -298,7 +267,7 @@ class SpeedupCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if self.active and state.is_world_process_zero:
-            self.trainer.speedup_report.write(args.output_dir)
+            sinks.write_json(self.trainer.speedup_report, args.output_dir)
 
     def on_train_end(self, args, state, control, **kwargs):
         if not self.active:
@@ -309,22 +278,7 @@ class SpeedupCallback(TrainerCallback):
         self.active = False
         if state.is_world_process_zero:
             report = self.trainer.speedup_report
-            data = report.to_dict()
-            path = report.write(args.output_dir)
-            self._to_wandb(data, summary=True)
+            path = sinks.write_json(report, args.output_dir)
+            sinks.to_wandb(report.to_dict(), summary=True)
             if self.print_tables:
-                print(report.metrics_table(), flush=True)
-                print(f"hf_speedup report: {path}", flush=True)
-
-    # --------------------------------------------------------------------------------- W&B
-    @staticmethod
-    def _to_wandb(report: dict, summary: bool) -> None:
-        run = _wandb_run()
-        if run is None:
-            return
-        try:
-            run.config.update(wandb_config_items(report), allow_val_change=True)
-            if summary:
-                run.summary.update(wandb_summary_items(report))
-        except Exception as exc:  # a tracker hiccup must not end a training run
-            logger.warning("hf_speedup: could not update the W&B run: %r", exc)
+                sinks.print_metrics(report, path)

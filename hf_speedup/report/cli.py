@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import load_report
+from .console import compare_table, metrics_table, plan_table
+from .schema import load_report
 
 
 def _label(report: dict, taken: set[str]) -> str:
@@ -24,12 +25,10 @@ def _label(report: dict, taken: set[str]) -> str:
 
 def format_report(report: dict, width: int = 80) -> str:
     """The plan table and the metrics table of one report dict, plus the versions."""
-    from .console import metrics_table, plan_table_from_report
-
     env = report.get("environment") or {}
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "accelerate", "peft", "bitsandbytes")
                          if env.get(k))
-    parts = [plan_table_from_report(report, width), "", metrics_table(report, width)]
+    parts = [plan_table(report, width), "", metrics_table(report, width)]
     if versions:
         import textwrap
 
@@ -46,8 +45,6 @@ def print_report(path: str | Path, width: int = 80) -> str:
 
 def compare_reports(paths: list[str | Path], width: int = 80) -> str:
     """Print several runs side by side (per feature: engaged or not; then the metrics); returns the text."""
-    from .console import compare_table
-
     if not paths:
         raise ValueError("compare needs at least one report (a JSON file or run directory)")
     reports = [load_report(p) for p in paths]

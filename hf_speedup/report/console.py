@@ -50,11 +50,16 @@ def _engaged_cell(engaged) -> str:
     return "?" if engaged is None else ("yes" if engaged else "no")
 
 
-def plan_rows(plan_dict: dict, engaged_override: dict | None = None) -> list[list]:
-    """[feature, requested, applied, engaged, reason] per feature of a ``plan`` dict."""
+ALIASES = {"empty_cache"}  # report keys kept for readers of older reports; the same entry as "memory"
+
+
+def plan_rows(plan_dict: dict, verified: bool = True) -> list[list]:
+    """[feature, requested, applied, engaged, reason] per feature of a ``plan`` dict ("?" before verification)."""
     rows = []
     for feature, d in plan_dict.items():
-        engaged = (engaged_override or {}).get(feature, d.get("engaged"))
+        if feature in ALIASES:
+            continue
+        engaged = d.get("engaged") if verified else None
         rows.append([feature, d.get("requested"), d.get("applied"), _engaged_cell(engaged), d.get("reason", "")])
     return rows
 
@@ -85,22 +90,14 @@ def plan_table_rows(title: str, rows: list[list], width: int = 80, max_reason_li
     return "\n".join(out)
 
 
-def plan_table(plan, width: int = 80, max_reason_lines: int | None = None) -> str:
-    """The plan (a :class:`~hf_speedup.plan.Plan`): one line per feature, the reason below it."""
-    dd = plan.to_dict()
-    unverified = {d.feature: None for d in plan if d.engaged is None}
-    title = f"hf_speedup plan: preset '{plan.config.name}' on {plan.caps.device_name} ({plan.caps.device_type})"
-    return plan_table_rows(title, plan_rows(dd, unverified), width, max_reason_lines)
-
-
-def plan_table_from_report(report: dict, width: int = 80, max_reason_lines: int | None = None) -> str:
-    """The plan table of a report dict (as loaded from ``speedup_report.json``)."""
+def plan_table(report: dict, width: int = 80, max_reason_lines: int | None = None, verified: bool = True) -> str:
+    """The plan table of a report dict (``Report.to_dict()`` or a loaded ``speedup_report.json``)."""
     env = report.get("environment") or {}
     caps = report.get("capabilities") or {}
     device = env.get("device_name") or caps.get("device_name") or "?"
     dtype = env.get("device_type") or caps.get("device_type") or "?"
     title = f"hf_speedup plan: preset '{report.get('preset')}' on {device} ({dtype})"
-    return plan_table_rows(title, plan_rows(report.get("plan") or {}), width, max_reason_lines)
+    return plan_table_rows(title, plan_rows(report.get("plan") or {}, verified), width, max_reason_lines)
 
 
 # --------------------------------------------------------------------------------------- metrics

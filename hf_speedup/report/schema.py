@@ -1,4 +1,7 @@
-"""The acceleration report: the verified plan plus measured metrics, as one JSON-serialisable object.
+"""The report's schema: the verified plan plus measured metrics, as one JSON-serialisable object.
+
+This module owns the report's shape (sections, metric names, file name, version); the collector fills
+it, the sinks (JSON, W&B, console) and ``hf-speedup report`` only read it.
 
 ``to_dict()`` sections:
 
@@ -14,35 +17,73 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .plan import Plan
+from ..plan_types import Outcome, Plan
+from .console import plan_table
 
 REPORT_FILE = "speedup_report.json"
-REPORT_VERSION = 1
+# 2: the allocator feature is reported under "memory" (its module and config section); "empty_cache"
+# stays as an alias of the same entry for readers of version 1.
+REPORT_VERSION = 2
+ALIASES = {"empty_cache": "memory"}
+PREFIX = "hf_speedup/"  # tracker keys: hf_speedup/<metric>, hf_speedup/<feature>/<field>
+PLAN_FIELDS = ("requested", "applied", "engaged", "reason", "fallbacks")  # what trackers get of each feature
+
+
+@dataclass
+class Metrics:
+    """The run's steady-state summary (DESIGN.md's metric definitions); None until measured or where
+    unknown (``mfu`` without a known peak)."""
+
+    tokens_per_second: float | None = None  # non-padding tokens, all ranks, steady state
+    samples_per_second: float | None = None
+    step_time_s: float | None = None  # median of the steady-state steps
+    mfu: float | None = None
+    peak_memory_allocated_bytes: int | None = None
+    peak_memory_reserved_bytes: int | None = None  # CPU: peak RSS of the process
+    compile_seconds: float | None = None
+    recompiles: int | None = None
+    graph_breaks: int | None = None
+    compiled_regions: int | None = None
+    trainable_parameters: int | None = None
+    total_parameters: int | None = None
+
+
+SUMMARY_METRICS = tuple(f.name for f in dataclasses.fields(Metrics))
+# Logged at every logging step (the summary adds the rest).
+STEP_METRICS = ("tokens_per_second", "samples_per_second", "step_time_s", "mfu", "peak_memory_allocated_bytes",
+                "peak_memory_reserved_bytes", "recompiles")
+
+
+def plan_entries(plan: Plan, outcomes: dict[str, Outcome] | None = None) -> dict:
+    entries = {name: state.to_dict() for name, state in plan.states(outcomes).items()}
+    for alias, name in ALIASES.items():
+        if name in entries:
+            entries[alias] = entries[name]
+    return entries
 
 
 @dataclass
 class Report:
     plan: Plan
-    metrics: dict = field(default_factory=dict)
+    outcomes: dict = field(default_factory=dict)  # feature -> Outcome (what apply and verify found)
+    metrics: Metrics | dict = field(default_factory=Metrics)
     environment: dict = field(default_factory=dict)
     measurement: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        from .callback import SUMMARY_METRICS
-
-        metrics = {k: None for k in SUMMARY_METRICS}
-        metrics.update(self.metrics)
+        metrics = dataclasses.asdict(self.metrics) if isinstance(self.metrics, Metrics) else \
+            {**{k: None for k in SUMMARY_METRICS}, **self.metrics}
         return {
             "report_version": REPORT_VERSION,
             "preset": self.plan.config.name,
-            "plan": self.plan.to_dict(),
+            "plan": plan_entries(self.plan, self.outcomes),
             "metrics": metrics,
             "measurement": dict(self.measurement),
             "environment": dict(self.environment),
@@ -53,26 +94,10 @@ class Report:
             "config": self.plan.config.to_dict(),
         }
 
-    def write(self, output_dir: str | Path) -> Path:
-        """Write ``<output_dir>/speedup_report.json`` atomically (readers never see half a file)."""
-        path = Path(output_dir) / REPORT_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, default=str))
-        os.replace(tmp, path)
-        return path
-
     def table(self, width: int = 80, max_reason_lines: int | None = 3) -> str:
         """The plan as a table (what is printed when training starts); reasons capped at a few lines."""
-        from .console import plan_table
-
-        return plan_table(self.plan, width=width, max_reason_lines=max_reason_lines)
-
-    def metrics_table(self, width: int = 80) -> str:
-        """The measured metrics as a table (what is printed when training ends)."""
-        from .console import metrics_table
-
-        return metrics_table(self.to_dict(), width=width)
+        verified = any(o.engaged is not None for o in self.outcomes.values())
+        return plan_table(self.to_dict(), width=width, max_reason_lines=max_reason_lines, verified=verified)
 
 
 def load_report(path: str | Path) -> dict:

@@ -25,9 +25,13 @@ from __future__ import annotations
 import logging
 import time
 import types
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from ..plan import Decision, PlanContext
+from .. import compat
+from ..blocks import find_blocks, find_final_norm, unwrap_model
+from ..hardware import cpu_name
+from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "compile"
 logger = logging.getLogger("hf_speedup")
@@ -36,9 +40,21 @@ HEAD_REGIONS = ("final_norm", "lm_head", "loss")
 
 
 # --------------------------------------------------------------------------------------------- decide
-def _off(requested: Any, reason: str, settings: dict, fallbacks: list | None = None) -> Decision:
-    return Decision(NAME, requested=requested, applied="off", reason=reason, settings=settings,
-                    fallbacks=list(fallbacks or []))
+@dataclass(frozen=True)
+class Settings:
+    backend: str
+    mode: str | None
+    dynamic: bool | None
+    fullgraph: bool
+    regions: str  # blocks | blocks+head
+    block_class: str | None
+    num_blocks: int
+    cpu_gemm: str = "default"  # autotune: each CPU GEMM shape on MKL or oneDNN, whichever is faster
+
+
+def _off(requested: Any, reason: str, settings: Settings, fallbacks: list | None = None) -> Decision:
+    return Decision(NAME, requested=requested, applied=OFF, reason=reason, settings=settings,
+                    fallbacks=tuple(fallbacks or ()))
 
 
 def decide(ctx: PlanContext) -> Decision:
@@ -47,9 +63,9 @@ def decide(ctx: PlanContext) -> Decision:
     caps = ctx.caps
     info = ctx.model
     requested = cfg.enabled
-    settings = dict(backend=cfg.backend, mode=cfg.mode, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph,
-                    regions=cfg.regions, block_class=getattr(info, "block_class", None),
-                    num_blocks=getattr(info, "num_blocks", 0))
+    settings = Settings(backend=cfg.backend, mode=cfg.mode, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph,
+                        regions=cfg.regions, block_class=getattr(info, "block_class", None),
+                        num_blocks=getattr(info, "num_blocks", 0))
     explicit = requested is True
     if requested is False:
         return _off(requested, "compile.enabled = false", settings)
@@ -69,16 +85,16 @@ def decide(ctx: PlanContext) -> Decision:
     if requested == "auto" and not caps.is_cuda:
         return _off(requested, f"auto: off on {caps.device_type} (a cold compile costs tens of seconds for small "
                     "gains here); use preset 'fast' for compiled blocks on CPU", settings)
-    settings["cpu_gemm"] = "autotune" if _autotunes_cpu_gemms(cfg, caps) else "default"
+    settings = replace(settings, cpu_gemm="autotune" if _autotunes_cpu_gemms(cfg, caps) else "default")
     return Decision(NAME, requested=requested, applied=f"{cfg.regions}:{cfg.backend}",
                     reason=_on_reason(ctx, settings), settings=settings)
 
 
-def _on_reason(ctx: PlanContext, s: dict) -> str:
+def _on_reason(ctx: PlanContext, s: Settings) -> str:
     """Why it is on, plus what it composes with (LoRA, checkpointing, FSDP, shapes)."""
-    head = " + final norm, lm_head and loss" if s["regions"] == "blocks+head" else ""
-    parts = [f"{s['num_blocks']} x {s['block_class']} compiled in place{head} "
-             f"(backend={s['backend']}, mode={s['mode'] or 'default'}, dynamic={s['dynamic']})"]
+    head = " + final norm, lm_head and loss" if s.regions == "blocks+head" else ""
+    parts = [f"{s.num_blocks} x {s.block_class} compiled in place{head} "
+             f"(backend={s.backend}, mode={s.mode or 'default'}, dynamic={s.dynamic})"]
     if ctx.config.compile.enabled == "auto":
         parts.append(f"auto: on for {ctx.caps.device_type} ({ctx.caps.compile_reason or 'compiler present'})")
     for feat, note in (("lora", "blocks include peft LoRA layers"),
@@ -87,10 +103,10 @@ def _on_reason(ctx: PlanContext, s: dict) -> str:
         d = ctx.decisions.get(feat)
         if d is not None and d.active:
             parts.append(note)
-    if s.get("cpu_gemm") == "autotune":
+    if s.cpu_gemm == "autotune":
         parts.append("max-autotune on CPU: each GEMM shape runs on MKL or oneDNN, whichever is faster here "
                      "(inductor's own GEMM templates need frozen weights, so they cannot serve training)")
-    if s["dynamic"] is False and not ctx.config.data.pad_to_multiple_of:
+    if s.dynamic is False and not ctx.config.data.pad_to_multiple_of:
         parts.append("dynamic=False without data.pad_to_multiple_of: each new sequence length recompiles "
                      "(after torch._dynamo's recompile_limit that region runs eager)")
     return "; ".join(parts)
@@ -218,26 +234,11 @@ def _trampoline(kind: str) -> Callable:
     return region
 
 
-def _base_model(model):
-    """The transformers model under peft / accelerate wrappers."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        if hasattr(model, "get_base_model") and model.get_base_model() is not model:
-            model = model.get_base_model()
-        elif hasattr(model, "module") and not hasattr(model, "lm_head"):
-            model = model.module
-        else:
-            break
-    return model
-
-
 def _compile_head(model, compile_kwargs: dict) -> list[str]:
     """Final norm, lm_head (in place) and the loss function; returns the regions compiled."""
-    base = _base_model(model)
+    base = unwrap_model(model)
     done = []
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-    norm = getattr(decoder, "norm", None)
+    norm = find_final_norm(base)
     if norm is not None and compile_module(norm, "final_norm", "final norm", compile_kwargs):
         done.append("final_norm")
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
@@ -267,47 +268,49 @@ class CompiledLoss:
 
 
 # --------------------------------------------------------------------------------------------- apply
-def compile_kwargs_of(decision: Decision) -> dict:
-    """torch.compile arguments; the CPU GEMM pass needs ``options`` (torch forbids ``mode`` with them)."""
+def compile_kwargs_of(decision: Decision, cpu_gemm: str | None = None) -> dict:
+    """torch.compile arguments; the CPU GEMM pass needs ``options`` (torch forbids ``mode`` with them).
+
+    ``cpu_gemm`` is what :func:`settle_cpu_gemm` found at apply time (default: the plan's choice)."""
     s = decision.settings
-    kw = dict(backend=s["backend"], dynamic=s["dynamic"], fullgraph=s["fullgraph"])
-    if s["backend"] == "inductor" and s["mode"] is not None:
-        kw["mode"] = s["mode"]
-    if s.get("cpu_gemm") == "autotune":
+    kw = dict(backend=s.backend, dynamic=s.dynamic, fullgraph=s.fullgraph)
+    if s.backend == "inductor" and s.mode is not None:
+        kw["mode"] = s.mode
+    if (cpu_gemm or s.cpu_gemm) == "autotune":
         import torch._inductor
 
-        options = dict(torch._inductor.list_mode_options(s["mode"] or "default", s["dynamic"]))
+        options = dict(torch._inductor.list_mode_options(s.mode or "default", s.dynamic))
         options["post_grad_custom_post_pass"] = cpu_gemm_pass()
         kw.pop("mode", None)
         kw["options"] = options
     return kw
 
 
-def _settle_cpu_gemm(decision: Decision) -> None:
-    """Keep the GEMM autotune only where oneDNN can be routed to and computes true fp32 here."""
-    if decision.settings.get("cpu_gemm") != "autotune":
-        return
+def settle_cpu_gemm(decision: Decision, outcome: Outcome) -> str:
+    """The CPU GEMM choice in force: the autotune stays only where oneDNN can be routed to and computes
+    true fp32 here (checked at run time); otherwise a recorded fallback to the default BLAS."""
+    if decision.settings.cpu_gemm != "autotune":
+        return decision.settings.cpu_gemm
     ok, why = onednn_fp32_ok()
+    cpu_gemm = "autotune" if ok else "default"
+    outcome.facts["cpu_gemm"] = cpu_gemm
     if not ok:
-        decision.settings["cpu_gemm"] = "default"
-        decision.fallbacks.append(f"cpu_gemm: {why}; GEMMs stay on the default BLAS")
+        outcome.fallbacks.append(f"cpu_gemm: {why}; GEMMs stay on the default BLAS")
         logger.info("hf_speedup: CPU GEMM autotune off: %s", why)
+    return cpu_gemm
 
 
-def apply(decision: Decision, setup) -> None:
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
     """Compile every block in place (and the head when ``regions='blocks+head'``)."""
     if not decision.active:
         return
-    from ..blocks import find_blocks
-
-    _settle_cpu_gemm(decision)
-    kwargs = compile_kwargs_of(decision)
+    kwargs = compile_kwargs_of(decision, settle_cpu_gemm(decision, outcome))
     blocks = find_blocks(setup.model)
     for i, block in enumerate(blocks):
         compile_module(block, type(block).__name__, f"{type(block).__name__}[{i}]", kwargs)
-    head = _compile_head(setup.model, kwargs) if decision.settings["regions"] == "blocks+head" else []
-    decision.settings["compiled_head"] = head
-    logger.info("hf_speedup: compiled %d %s block(s)%s in place (%s)", len(blocks), decision.settings["block_class"],
+    head = _compile_head(setup.model, kwargs) if decision.settings.regions == "blocks+head" else []
+    outcome.facts["compiled_head"] = head
+    logger.info("hf_speedup: compiled %d %s block(s)%s in place (%s)", len(blocks), decision.settings.block_class,
                 f" + {', '.join(head)}" if head else "", ", ".join(f"{k}={v}" for k, v in kwargs.items()))
 
 
@@ -335,7 +338,7 @@ def _register_onednn_mm():
 
         lib = torch.library.Library("hf_speedup", "FRAGMENT")
         lib.define("onednn_mm(Tensor a, Tensor b) -> Tensor")
-        lib.impl("onednn_mm", _onednn_mm, "CPU")
+        lib.impl("onednn_mm", onednn_mm, "CPU")
         lib.impl("onednn_mm", lambda a, b: a.new_empty((a.shape[0], b.shape[1])), "Meta")
         _register_onednn_mm.lib = lib  # the Library must outlive this call
         _OP = torch.ops.hf_speedup.onednn_mm.default
@@ -345,14 +348,12 @@ def _register_onednn_mm():
 _PRECISION_API = None
 
 
-def _onednn_mm(a, b):
+def onednn_mm(a, b):
     global _PRECISION_API
     import torch
 
     if _PRECISION_API is None:
-        from ..compat import mkldnn_matmul_precision_api
-
-        _PRECISION_API = mkldnn_matmul_precision_api()
+        _PRECISION_API = compat.mkldnn_matmul_precision_api()
     get, set_ = _PRECISION_API
     GEMM_CALLS[0] += 1
     previous = get()
@@ -367,16 +368,14 @@ def onednn_fp32_ok() -> tuple[bool, str]:
     """oneDNN matmul reachable, and as exact as fp32 here (error vs fp64 within 4x of the default BLAS)."""
     import torch
 
-    from ..compat import mkldnn_matmul_precision_api
-
-    if mkldnn_matmul_precision_api() is None:
+    if compat.mkldnn_matmul_precision_api() is None:
         return False, f"torch {torch.__version__} cannot route fp32 matmuls to oneDNN (no fp32_precision API)"
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(256, 512, generator=g), torch.randn(512, 256, generator=g)
     exact = a.double() @ b.double()
     err_default = (torch.mm(a, b).double() - exact).abs().max().item()
     try:
-        err_onednn = (_onednn_mm(a, b).double() - exact).abs().max().item()
+        err_onednn = (onednn_mm(a, b).double() - exact).abs().max().item()
     except RuntimeError as exc:  # e.g. a CPU/oneDNN build that refuses the precision setting
         return False, f"oneDNN matmul could not run here ({_first_line(exc)})"
     if err_onednn > 4 * err_default + 1e-6:
@@ -398,7 +397,7 @@ def cpu_gemm_pass():
                 choose_cpu_gemms(graph)
 
             def uuid(self):
-                return (get_hash_for_files((__file__,)), _cpu_name())
+                return (get_hash_for_files((__file__,)), cpu_name())
 
         _register_onednn_mm()
         _PASS = CpuGemmChoice()
@@ -429,18 +428,18 @@ def _gemm_choice(a, b) -> str:
     except (TypeError, ValueError):  # symbolic sizes (dynamic shapes): nothing concrete to measure
         return "default"
     if key not in GEMM_CHOICES:
-        GEMM_CHOICES[key] = _benchmark_gemm(key)
+        GEMM_CHOICES[key] = benchmark_gemm(key)
     return GEMM_CHOICES[key]["choice"]
 
 
-def _benchmark_gemm(key: tuple, reps: int = 7) -> dict:
+def benchmark_gemm(key: tuple, reps: int = 7) -> dict:
     import torch
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch.no_grad():
         a, b = (torch.empty_strided(size, stride).normal_() for size, stride in key)
         times = {}
-        for name, fn in (("default", torch.mm), ("onednn", _onednn_mm), ("default", torch.mm), ("onednn", _onednn_mm)):
+        for name, fn in (("default", torch.mm), ("onednn", onednn_mm), ("default", torch.mm), ("onednn", onednn_mm)):
             fn(a, b)
             best = min(_timed(fn, a, b) for _ in range(reps))
             times[name] = min(best, times.get(name, best))
@@ -459,12 +458,6 @@ def cpu_gemm_summary() -> str:
     chosen = (f"oneDNN chosen for {GEMM_NODES['onednn']}/{n} GEMM nodes (autotuned per shape vs the default BLAS)"
               if n else "GEMM choices loaded from inductor's cache (autotuned by an earlier run)")
     return f"{chosen}, {GEMM_CALLS[0]} oneDNN GEMM calls run so far"
-
-
-def _cpu_name() -> str:
-    from ..hardware import _cpu_name as name
-
-    return name()
 
 
 # --------------------------------------------------------------------------------------------- verify
@@ -496,7 +489,7 @@ def compile_stats(model) -> dict:
     }
 
 
-def verify(decision: Decision, trainer) -> tuple[bool, str]:
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     """Each block of the live model runs a compiled (not fallen back) region."""
     if not decision.active:
         return False, decision.reason
@@ -505,14 +498,14 @@ def verify(decision: Decision, trainer) -> tuple[bool, str]:
     blocks = [r for r in regions if r.kind not in HEAD_REGIONS]
     fallen = [r for r in regions if r.fallback_reason]
     ok = [r for r in blocks if r.fallback_reason is None]
-    how = f"{s['backend']}, {s['mode'] or 'default'}"
-    text = f"{len(ok)}/{s['num_blocks']} {s['block_class']} blocks compiled ({how})"
+    how = f"{s.backend}, {s.mode or 'default'}"
+    text = f"{len(ok)}/{s.num_blocks} {s.block_class} blocks compiled ({how})"
     head = [r.kind for r in regions if r.kind in HEAD_REGIONS and r.fallback_reason is None]
     if head:
         text += f" + {', '.join(head)}"
     if fallen:
         text += "; fell back to eager: " + "; ".join(f"{r.label}: {r.fallback_reason}" for r in fallen)
-    if s.get("cpu_gemm") == "autotune":
+    if outcome.facts.get("cpu_gemm", s.cpu_gemm) == "autotune":
         text += f"; {cpu_gemm_summary()}"
     limit = _recompile_limit()
     per_kind: dict[str, int] = {}
@@ -521,7 +514,7 @@ def verify(decision: Decision, trainer) -> tuple[bool, str]:
     hot = sorted(k for k, n in per_kind.items() if limit and n >= limit)
     if hot:
         text += f"; {', '.join(hot)} hit torch._dynamo recompile_limit={limit} (new shapes run eager): pad to a multiple"
-    return bool(ok) and len(ok) == s["num_blocks"] and not fallen, text
+    return bool(ok) and len(ok) == s.num_blocks and not fallen, text
 
 
 def _recompile_limit() -> int | None:

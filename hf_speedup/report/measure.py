@@ -28,6 +28,8 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
+from .._version import __version__
+from ..dtypes import short_name
 
 IGNORE_INDEX = -100
 
@@ -120,60 +122,6 @@ def aggregate_ranks(rows: Sequence[Sequence[float]]) -> dict:
 
 
 # --------------------------------------------------------------------------------------- parameters
-@dataclass(frozen=True)
-class ParamCounts:
-    total: int  # every parameter, once (tied weights once; 4-bit packed weights unpacked)
-    trainable: int
-    matmul_trainable: int  # non-embedding parameters with requires_grad
-    matmul_frozen: int  # non-embedding parameters without requires_grad
-    embedding: int  # lookup-only parameters (nn.Embedding weights not reused as a matmul weight)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _numel(p) -> int:
-    n = p.numel()
-    # bitsandbytes 4-bit packs two weights per uint8 byte
-    if type(p).__name__ == "Params4bit" or str(getattr(p, "dtype", "")) == "torch.uint8":
-        n *= 2
-    return n
-
-
-def parameter_counts(model) -> ParamCounts:
-    """Parameter counts of the live model, split the way the FLOPs formula needs them."""
-    from torch import nn
-
-    params = {}
-    for p in model.parameters():
-        params.setdefault(id(p), p)
-    used_as_matmul: set[int] = set()
-    lookup: set[int] = set()
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if not isinstance(w, nn.Parameter):
-            continue
-        if isinstance(m, nn.Embedding):
-            lookup.add(id(w))
-        else:
-            used_as_matmul.add(id(w))
-    lookup_only = lookup - used_as_matmul
-    total = trainable = mm_train = mm_frozen = emb = 0
-    for pid, p in params.items():
-        n = _numel(p)
-        total += n
-        if p.requires_grad:
-            trainable += n
-        if pid in lookup_only:
-            emb += n
-        elif p.requires_grad:
-            mm_train += n
-        else:
-            mm_frozen += n
-    return ParamCounts(total=total, trainable=trainable, matmul_trainable=mm_train, matmul_frozen=mm_frozen,
-                       embedding=emb)
-
-
 def attention_dims(model) -> tuple[int | None, int | None]:
     """(layers L, attention width H) from the model's (text) config; (None, None) when unknown."""
     cfg = getattr(model, "config", None)
@@ -219,15 +167,9 @@ def compute_dtype(args: Any = None, model: Any = None, device_type: str = "cpu")
     if args is not None and getattr(args, "fp16", False):
         return "fp16"
     if model is not None:
-        import torch
-
-        for p in model.parameters():
-            if p.is_floating_point():
-                if p.dtype == torch.bfloat16:
-                    return "bf16"
-                if p.dtype == torch.float16:
-                    return "fp16"
-                break
+        weights = next((short_name(p.dtype) for p in model.parameters() if p.is_floating_point()), "fp32")
+        if weights in ("bf16", "fp16"):
+            return weights
     if device_type == "cuda":
         import torch
 
@@ -440,8 +382,6 @@ def environment(caps: Any = None) -> dict:
     import platform
 
     import torch
-
-    from . import __version__
 
     env = {"hf_speedup": __version__, **package_versions(), "python": platform.python_version(),
            "cuda": getattr(torch.version, "cuda", None), "platform": platform.platform(terse=True)}

@@ -14,9 +14,12 @@ train start) verify says "not created yet"; the callback re-verifies at train be
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+from ..compat import unwrap_optimizer
 from ..config import SpeedupConfigError
-from ..plan import Decision, PlanContext
+from ..plan_types import Decision, Outcome, PlanContext
+from .fallback import walk_chain
 
 NAME = "optimizer"
 logger = logging.getLogger("hf_speedup")
@@ -32,6 +35,12 @@ FROM_HF = {v: k for k, v in TO_HF.items()} | {"adamw_8bit": "adamw_8bit"}  # bot
 CHAIN_TAIL = ("adamw_fused", "adamw")
 # what verify must find for each choice
 KIND = {"adamw": "plain", "adamw_fused": "fused", "adamw_8bit": "8bit", "paged_adamw_8bit": "paged_8bit"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    optim: str  # TrainingArguments.optim the stock Trainer builds the optimizer from
+    keep: bool  # the TrainingArguments' own choice stays
 
 
 # --------------------------------------------------------------------------------------------- decide
@@ -63,20 +72,16 @@ def runnable(name: str, caps) -> tuple[bool, str]:
 
 def _walk_chain(wanted: str, caps, strict: bool) -> tuple[str, list[str]]:
     chain = CHAIN_TAIL[CHAIN_TAIL.index(wanted):] if wanted in CHAIN_TAIL else (wanted, *CHAIN_TAIL)
-    fallbacks: list[str] = []
-    for name in chain:
-        ok, why = runnable(name, caps)
-        if ok:
-            return name, fallbacks
-        if strict:
-            allowed = [n for n in TO_HF if runnable(n, caps)[0]] + ["auto", "keep"]
-            raise SpeedupConfigError([
-                f"optimizer.name = {name!r} cannot run on this machine ({why}) and optimizer.strict = true; "
-                f"allowed here: {', '.join(repr(a) for a in allowed)}; fix: set optimizer.name: auto (or one of the "
-                "allowed values), or optimizer.strict: false to fall back along 8-bit -> fused -> AdamW"
-            ])
-        fallbacks.append(f"{name}: {why}")
-    raise AssertionError("plain AdamW always runs")  # pragma: no cover
+
+    def strict_error(name: str, why: str) -> SpeedupConfigError:
+        allowed = [n for n in TO_HF if runnable(n, caps)[0]] + ["auto", "keep"]
+        return SpeedupConfigError([
+            f"optimizer.name = {name!r} cannot run on this machine ({why}) and optimizer.strict = true; "
+            f"allowed here: {', '.join(repr(a) for a in allowed)}; fix: set optimizer.name: auto (or one of the "
+            "allowed values), or optimizer.strict: false to fall back along 8-bit -> fused -> AdamW"
+        ])
+
+    return walk_chain(chain, lambda name: runnable(name, caps), strict_error if strict else None)
 
 
 def _resolve(s, caps, user: str | None) -> tuple[str, str, str, list[str], bool]:
@@ -120,19 +125,18 @@ def decide(ctx: PlanContext) -> Decision:
     for fb in fallbacks:
         logger.warning("hf_speedup optimizer fallback: %s", fb)
     return Decision(NAME, requested=s.name, applied=applied, reason=reason,
-                    settings={"optim": hf_name, "keep": keep},
-                    fallbacks=fallbacks)
+                    settings=Settings(optim=hf_name, keep=keep), fallbacks=tuple(fallbacks))
 
 
 # --------------------------------------------------------------------------------------------- apply
 def training_args(decision: Decision, args) -> dict:
     """``optim`` for the stock Trainer's own optimizer factory; nothing when keeping the user's."""
-    if decision.settings.get("keep"):
+    if decision.settings.keep:
         return {}
-    return {"optim": decision.settings["optim"]}
+    return {"optim": decision.settings.optim}
 
 
-def apply(decision: Decision, setup) -> None:
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
     """Nothing to do before the Trainer exists: it builds the optimizer from ``args.optim``."""
 
 
@@ -179,14 +183,12 @@ def _state_note(opt) -> str:
     return f", {n8}/{len(states)} parameter states in 8 bits"
 
 
-def verify(decision: Decision, trainer) -> tuple[bool, str]:
-    from ..compat import unwrap_optimizer
-
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if getattr(trainer, "optimizer", None) is None:
         return False, "optimizer not created yet (the Trainer builds it at train start; re-verified then)"
     kind, text = describe(unwrap_optimizer(trainer.optimizer))
     want = KIND.get(decision.applied)
-    if decision.settings.get("keep") or want is None:
+    if decision.settings.keep or want is None:
         return kind in ("fused", "8bit", "paged_8bit"), f"{text} in force (the TrainingArguments' own choice)"
     if kind != want:
         logger.warning("hf_speedup optimizer: planned %s but found %s", decision.applied, text)

@@ -1,0 +1,86 @@
+"""Where a report goes: ``<output_dir>/speedup_report.json``, the W&B run, the console.
+
+Reporting never ends a training run: a sink that fails logs a warning and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .console import metrics_table
+from .schema import PLAN_FIELDS, PREFIX, REPORT_FILE, Report
+
+logger = logging.getLogger("hf_speedup")
+
+
+def write_json(report: Report, output_dir: str | Path) -> Path | None:
+    """Write ``<output_dir>/speedup_report.json`` atomically (readers never see half a file).
+
+    On failure (read-only directory, disk full) it warns, removes its partial file and returns None.
+    """
+    path = Path(output_dir) / REPORT_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        os.replace(tmp, path)
+        return path
+    except OSError as exc:
+        logger.warning("hf_speedup: could not write %s (%s); training goes on, the report stays in "
+                       "trainer.speedup_report", path, exc)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return None
+
+
+def wandb_config_items(report: dict) -> dict:
+    """``hf_speedup/<feature>/<field>`` for the plan (plus preset and device) — the W&B config keys."""
+    out: dict[str, Any] = {PREFIX + "preset": report.get("preset")}
+    env = report.get("environment") or {}
+    if env.get("device_name"):
+        out[PREFIX + "device_name"] = env["device_name"]
+    for feature, entry in (report.get("plan") or {}).items():
+        for field in PLAN_FIELDS:
+            if field in entry:
+                out[f"{PREFIX}{feature}/{field}"] = entry[field]
+    return out
+
+
+def wandb_summary_items(report: dict) -> dict:
+    """``hf_speedup/<metric>`` for every known metric of the report (W&B drops nulls, so do we)."""
+    return {PREFIX + k: v for k, v in (report.get("metrics") or {}).items() if v is not None}
+
+
+def _wandb_run():
+    """The active W&B run, without importing wandb when nobody else did."""
+    wandb = sys.modules.get("wandb")
+    return getattr(wandb, "run", None) if wandb is not None else None
+
+
+def to_wandb(report: dict, summary: bool) -> None:
+    """The plan into the active W&B run's config; with ``summary`` the metrics into its summary too."""
+    run = _wandb_run()
+    if run is None:
+        return
+    try:
+        run.config.update(wandb_config_items(report), allow_val_change=True)
+        if summary:
+            run.summary.update(wandb_summary_items(report))
+    except Exception as exc:  # a tracker hiccup must not end a training run
+        logger.warning("hf_speedup: could not update the W&B run: %r", exc)
+
+
+def print_plan(report: Report) -> None:
+    print(report.table(), flush=True)
+
+
+def print_metrics(report: Report, path: Path | None) -> None:
+    print(metrics_table(report.to_dict()), flush=True)
+    print(f"hf_speedup report: {path if path is not None else '(not written: see the warning above)'}", flush=True)
