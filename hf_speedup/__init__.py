@@ -6,10 +6,11 @@ from .loading import load_model, load_tokenizer
 from .plan import build_plan
 from .presets import get_preset, list_presets
 from .stock import training_arguments
-from .trainer import SpeedupTrainer
+from .trainer import SpeedupMixin, SpeedupTrainer
 
 __all__ = [
     "SpeedupTrainer",
+    "SpeedupMixin",
     "SpeedupConfig",
     "SpeedupConfigError",
     "get_preset",

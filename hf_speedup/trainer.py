@@ -1,4 +1,8 @@
-"""SpeedupTrainer: the stock Trainer, with the plan's accelerations applied before it is built."""
+"""SpeedupMixin: ``speedup=`` for any Trainer subclass; SpeedupTrainer: the stock Trainer with it.
+
+The plan's accelerations are applied to the model, the collator and a copy of the TrainingArguments
+before the Trainer's own ``__init__`` runs; the training loop stays the Trainer's.
+"""
 
 from __future__ import annotations
 
@@ -22,25 +26,25 @@ from .report.collector import SpeedupCallback
 logger = logging.getLogger("hf_speedup")
 
 
-class SpeedupTrainer(FsdpTrainerMixin, Trainer):
-    """``transformers.Trainer`` plus ``speedup=`` (a preset name, a SpeedupConfig, a dict or a YAML path).
+class SpeedupMixin(FsdpTrainerMixin):
+    """Gives any ``transformers.Trainer`` subclass ``speedup=`` (a preset name, a SpeedupConfig, a dict or a
+    YAML path): ``class MyTrainer(SpeedupMixin, SFTTrainer)``.
 
-    The training loop is the stock one; accelerations are applied to the model, the collator and a
-    copy of the TrainingArguments before ``Trainer.__init__``, then verified on the real objects.
+    The arguments are bound against the next class's own ``__init__``, so a subclass keeps its parameters
+    (``peft_config``, ``formatting_func``, ...); accelerations are then applied and verified on the real objects.
     """
 
     def __init__(self, *args: Any, speedup: Any = "auto", **kwargs: Any):
         config = resolve(speedup)  # bad input fails here, before any model work
-        bound = inspect.signature(Trainer.__init__).bind_partial(None, *args, **kwargs).arguments
-        bound.pop("self", None)
-        model = bound.get("model")
-        training_args = bound.get("args") or TrainingArguments(output_dir="trainer_output")
+        bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
+        model = bound.arguments.get("model")
+        training_args = bound.arguments.get("args") or TrainingArguments(output_dir="trainer_output")
         self.speedup_plan = build_plan(config, probe(), model, training_args)
         # what apply and verify find, beside the frozen plan; ``speedup_status`` joins the two per feature
         self.speedup_outcomes = {feature.NAME: Outcome() for feature in FEATURES}
         self.speedup_status = self.speedup_plan.states(self.speedup_outcomes)
-        setup = Setup(model=model, args=training_args, data_collator=bound.get("data_collator"),
-                      processing_class=bound.get("processing_class"))
+        setup = Setup(model=model, args=training_args, data_collator=bound.arguments.get("data_collator"),
+                      processing_class=bound.arguments.get("processing_class"))
         overrides: dict = {}
         for feature in FEATURES:
             overrides.update(feature.training_args(self.speedup_plan[feature.NAME], training_args))
@@ -48,10 +52,10 @@ class SpeedupTrainer(FsdpTrainerMixin, Trainer):
             feature.apply(self.speedup_plan[feature.NAME], setup, self.speedup_outcomes[feature.NAME])
         if setup.model is not None and (note := clear_stale_gguf_quantizer(setup.model)):
             logger.info("hf_speedup: %s", note)  # a dequantized GGUF model trains like any other (LoRA or not)
-        bound.update(model=setup.model, args=replace_args(training_args, overrides))
+        bound.arguments.update(model=setup.model, args=replace_args(training_args, overrides))
         if setup.data_collator is not None:
-            bound["data_collator"] = setup.data_collator
-        super().__init__(**bound)
+            bound.arguments["data_collator"] = setup.data_collator
+        super().__init__(*bound.args, **bound.kwargs)
         self.speedup_report = Report(self.speedup_plan, self.speedup_outcomes)
         # Measures and reports the run; ``training_step``/``log`` below feed it. Set it to None (and
         # ``remove_callback`` it) to train without reporting.
@@ -82,3 +86,7 @@ class SpeedupTrainer(FsdpTrainerMixin, Trainer):
                 outcome.engaged, outcome.engaged_reason = feature.verify(self.speedup_plan[feature.NAME], self, outcome)
             except Exception as exc:  # a verifier must never break training; say why instead
                 outcome.engaged, outcome.engaged_reason = False, f"verification failed: {exc!r}"
+
+
+class SpeedupTrainer(SpeedupMixin, Trainer):
+    """``transformers.Trainer`` plus ``speedup=``; every other argument is the stock Trainer's."""
