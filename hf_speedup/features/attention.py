@@ -1,0 +1,198 @@
+"""The attention kernel: ``config._attn_implementation`` chosen per device, dtype and packing, set through
+transformers' own switch (``set_attn_implementation``) and read back from the live model.
+
+``auto`` ranks what can run here, best first:
+
+- CUDA: ``flash_attention_3`` (Hopper, flash-attn 3 installed), ``flash_attention_2`` (Ampere+, flash-attn
+  installed) — both need bf16/fp16 and take padding-free rows as ``cu_seqlens`` — then ``sdpa``;
+- CPU with padding-free rows: ``sdpa_varlen`` (:mod:`.sdpa_varlen`: each sequence on torch's CPU flash
+  kernel, no cross-sequence blocks, no ``T x T`` mask), then ``sdpa`` (a block-diagonal mask);
+- CPU otherwise: ``sdpa``; ``eager`` only where a model has nothing better.
+
+``flex_attention`` is taken only when asked for, and never for CPU training (torch has no CPU backward for
+it). A kernel asked for that cannot run here falls back along the same ranking, listed in ``fallbacks``;
+with ``attention.strict`` it is an error instead. ``keep`` (the baseline) leaves the model's own choice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+from ..blocks import unwrap_model
+from ..config import SpeedupConfigError
+from ..plan_types import OFF, Decision, Outcome, PlanContext
+from . import sdpa_varlen
+
+NAME = "attention"
+logger = logging.getLogger("hf_speedup")
+
+FLASH = ("flash_attention_3", "flash_attention_2")
+PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+KERNELS = ("sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+@dataclass(frozen=True)
+class Settings:
+    implementation: str | None = None  # set on the model; None keeps it
+    previous: str | None = None  # the model's own when the plan was made
+    packed: bool = False  # the data feature makes padding-free rows
+    dtype: str = "fp32"
+
+
+def installed(package: str) -> bool:
+    """Whether a kernel package can be imported here (tests fake it)."""
+    return importlib.util.find_spec(package) is not None
+
+
+# --------------------------------------------------------------------------------------------- decide
+def usable(name: str, caps, info, dtype: str, packed: bool) -> tuple[bool, str]:
+    """(can ``name`` train this model here, why not)."""
+    kernels = info.attention_kernels
+    if name in FLASH:
+        if "flash_attention" not in kernels:
+            return False, f"{info.architecture} has no flash-attention support"
+        if not caps.is_cuda:
+            return False, f"{name} runs on CUDA GPUs; this is {caps.device_type}"
+        cc = caps.compute_capability or (0, 0)
+        if name == "flash_attention_3" and cc[0] != 9:
+            return False, f"flash_attention_3 needs a Hopper GPU (compute capability 9.x); this is {cc[0]}.{cc[1]}"
+        if name == "flash_attention_2" and cc < (8, 0):
+            return False, f"flash_attention_2 needs compute capability >= 8.0; this is {cc[0]}.{cc[1]}"
+        if dtype not in ("bf16", "fp16"):
+            return False, f"{name} computes in bf16/fp16 and the plan trains in {dtype}"
+        if not installed(PACKAGES[name]):
+            pkg = "flash-attn" if name == "flash_attention_2" else "flash-attn-3"
+            return False, f"{name}: the {pkg} package is not installed"
+        return True, ""
+    if name == "flex_attention":
+        if "flex_attention" not in kernels:
+            return False, f"{info.architecture} has no flex_attention support"
+        if caps.device_type == "cpu":
+            return False, "torch's flex_attention has no backward on CPU, so it cannot train here"
+        return True, ""
+    if name == "sdpa_varlen":
+        if caps.device_type != "cpu":
+            return False, f"sdpa_varlen runs torch's CPU flash kernel; this is {caps.device_type}"
+        return True, ""
+    if name == "sdpa" and "sdpa" not in kernels:
+        return False, f"{info.architecture} has no sdpa support"
+    return True, ""
+
+
+def ranking(caps, packed: bool) -> list[str]:
+    if caps.is_cuda:
+        return ["flash_attention_3", "flash_attention_2", "sdpa", "eager"]
+    if caps.device_type == "cpu" and packed:
+        return ["sdpa_varlen", "sdpa", "eager"]
+    return ["sdpa", "eager"]
+
+
+WHY = {
+    "flash_attention_3": "FlashAttention-3 (Hopper): fastest exact attention; padding-free rows as cu_seqlens",
+    "flash_attention_2": "FlashAttention-2: exact, memory-linear in length; padding-free rows as cu_seqlens",
+    "sdpa_varlen": ("padding-free rows on CPU: each sequence through torch's CPU flash kernel (causal), no work "
+                    "across sequences and no T x T mask (sdpa would compute the whole row and mask it)"),
+    "sdpa": "torch scaled_dot_product_attention",
+    "eager": "the model's plain matmul-softmax attention",
+    "flex_attention": "torch flex_attention (block-sparse masks, compiled by transformers)",
+}
+
+
+def _off(requested, reason: str, settings: Settings, fallbacks=()) -> Decision:
+    return Decision(NAME, requested=requested, applied=OFF, reason=reason, settings=settings,
+                    fallbacks=tuple(fallbacks))
+
+
+def decide(ctx: PlanContext) -> Decision:
+    cfg, caps, info = ctx.config.attention, ctx.caps, ctx.model
+    asked = cfg.implementation
+    data = ctx.decisions.get("data")
+    packed = bool(data is not None and getattr(data.settings, "padding_free", False))
+    prec = ctx.decisions.get("precision")
+    dtype = prec.settings.name if prec is not None and prec.settings is not None else "fp32"
+    current = info.attn_implementation if info is not None else None
+    settings = Settings(previous=current, packed=packed, dtype=dtype)
+    if asked == "keep":
+        return _off(asked, f"keep: the model's own attention ({current or 'unknown'})", settings)
+    if info is None:
+        return _off(asked, "no model yet: the kernel is chosen when the trainer gets the model", settings)
+    if "interface" not in info.attention_kernels:
+        why = f"{info.architecture} cannot switch its attention kernel (no AttentionInterface dispatch); kept {current}"
+        return _off(asked, why, settings, [f"attention: {why}"] if asked != "auto" else [])
+    order = ranking(caps, packed)
+    fallbacks: list[str] = []
+    if asked != "auto":
+        ok, why = usable(asked, caps, info, dtype, packed)
+        if ok:
+            order = [asked]
+        else:
+            if cfg.strict:
+                here = [k for k in KERNELS if usable(k, caps, info, dtype, packed)[0]]
+                raise SpeedupConfigError([
+                    f"attention.implementation = {asked!r} cannot run here ({why}) and attention.strict = true; "
+                    f"allowed here: {', '.join(repr(k) for k in here)}, 'auto', 'keep'; fix: set "
+                    "attention.implementation: auto, or attention.strict: false to fall back"])
+            fallbacks.append(f"{asked} -> {{chosen}}: {why}")
+    skipped = []
+    for name in order:
+        ok, why = usable(name, caps, info, dtype, packed)
+        if ok:
+            chosen = name
+            break
+        skipped.append(f"{name}: {why}")
+    else:  # eager is always usable
+        chosen = "eager"
+    fallbacks = [f.format(chosen=chosen) for f in fallbacks]
+    for fb in fallbacks:
+        logger.warning("hf_speedup attention fallback: %s", fb)
+    reason = f"{chosen}: {WHY[chosen]}"
+    if asked == "auto" and skipped:
+        reason += f" (not {'; not '.join(skipped)})"
+    if packed and chosen in ("sdpa", "eager"):
+        reason += "; padding-free rows separated by a block-diagonal mask (the model's cache is kept off for them)"
+    if current == chosen:
+        reason += " - already the model's"
+    return Decision(NAME, requested=asked, applied=chosen, reason=reason, fallbacks=tuple(fallbacks),
+                    settings=Settings(implementation=chosen, previous=current, packed=packed, dtype=dtype))
+
+
+def training_args(decision: Decision, args) -> dict:
+    return {}
+
+
+# --------------------------------------------------------------------------------------------- apply
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
+    """Set the kernel on the model (every sub-model follows); the flash kernels get cu_seqlens in the batch."""
+    if not decision.active or setup.model is None or isinstance(setup.model, str):
+        return
+    name = decision.settings.implementation
+    if name == sdpa_varlen.NAME:
+        sdpa_varlen.register()
+    base = unwrap_model(setup.model)
+    if getattr(base.config, "_attn_implementation", None) != name:
+        base.set_attn_implementation(name)
+    if name in FLASH and hasattr(setup.data_collator, "return_flash_attn_kwargs"):
+        setup.data_collator.return_flash_attn_kwargs = True  # cu_seq_lens_q/k with each padding-free row
+        outcome.facts["cu_seqlens"] = "in every batch (return_flash_attn_kwargs)"
+
+
+# --------------------------------------------------------------------------------------------- verify
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
+    base = unwrap_model(trainer.model)
+    have = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if not decision.active:
+        return False, f"{decision.reason}; config._attn_implementation={have}"
+    want = decision.settings.implementation
+    text = f"config._attn_implementation={have}"
+    if have != want:
+        return False, f"{text} - MISMATCH: planned {want}"
+    if want == sdpa_varlen.NAME:
+        from transformers import AttentionInterface
+
+        registered = AttentionInterface._global_mapping.get(want) is sdpa_varlen.attention_forward
+        text += "; hf_speedup::sdpa_varlen registered with AttentionInterface" if registered else \
+            "; sdpa_varlen NOT registered with AttentionInterface"
+        return registered, text
+    return True, text

@@ -1,0 +1,104 @@
+"""Liger kernels (Triton: RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) through transformers' own switch,
+``TrainingArguments.use_liger_kernel``: the Trainer patches the model when ``train()`` starts.
+
+``auto`` (fast and memory presets) turns them on where they run: a CUDA device, ``liger-kernel`` installed
+and a model type Liger knows. On CPU they are off with that reason (Triton kernels need a GPU). Verified on
+the live model once training has started: Liger's module classes in the blocks, its rotary function in the
+modeling module, its fused-loss forward on the model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+from dataclasses import dataclass
+
+from ..blocks import unwrap_model
+from ..plan_types import OFF, Decision, Outcome, PlanContext
+
+NAME = "liger"
+PACKAGE = "liger_kernel"
+logger = logging.getLogger("hf_speedup")
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool = False
+    model_type: str | None = None
+
+
+def installed() -> bool:
+    """liger-kernel importable here (tests fake it)."""
+    return importlib.util.find_spec(PACKAGE) is not None
+
+
+def supported_model_types() -> frozenset[str] | None:
+    """Model types Liger can patch (None where liger-kernel cannot tell, e.g. it does not import)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception:  # not installed, or no GPU stack to import it with
+        return None
+    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def decide(ctx: PlanContext) -> Decision:
+    asked, caps, info = ctx.config.liger.enabled, ctx.caps, ctx.model
+    model_type = info.model_type if info is not None else None
+    settings = Settings(model_type=model_type)
+
+    def off(why: str) -> Decision:
+        fallbacks = (f"liger: {why}",) if asked is True else ()
+        for fb in fallbacks:
+            logger.warning("hf_speedup fallback: %s", fb)
+        return Decision(NAME, requested=asked, applied=OFF, reason=why, settings=settings, fallbacks=fallbacks)
+
+    if asked is False:
+        return Decision(NAME, requested=asked, applied=OFF, reason="off in the config", settings=settings)
+    if not caps.is_cuda:
+        return off(f"Liger's Triton kernels run on CUDA GPUs; this is {caps.device_type}: off")
+    if not installed():
+        return off("liger-kernel is not installed (pip install liger-kernel): off")
+    types = supported_model_types()
+    if model_type is not None and types is not None and model_type not in types:
+        return off(f"Liger has no kernels for model type {model_type!r}: off")
+    if ctx.args is not None and getattr(ctx.args, "use_liger_kernel", False):
+        reason = "TrainingArguments.use_liger_kernel=True already; "
+    else:
+        reason = ""
+    reason += ("Liger RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (the full logits are never stored) via "
+               "TrainingArguments.use_liger_kernel; transformers patches the model when train() starts")
+    return Decision(NAME, requested=asked, applied="rms_norm,rope,swiglu,fused_linear_cross_entropy", reason=reason,
+                    settings=Settings(enabled=True, model_type=model_type))
+
+
+def training_args(decision: Decision, args) -> dict:
+    return {"use_liger_kernel": True} if decision.active else {}
+
+
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
+    """Nothing here: the Trainer applies Liger at the start of ``train()`` (``use_liger_kernel``)."""
+
+
+def liger_parts(model) -> dict[str, int | bool]:
+    """What of Liger is in the live model: patched module count, rotary function, fused-loss forward."""
+    base = unwrap_model(model)
+    modules = sum(1 for m in base.modules() if type(m).__module__.startswith(PACKAGE))
+    modeling = sys.modules.get(type(base).__module__)
+    rope = getattr(getattr(modeling, "apply_rotary_pos_emb", None), "__module__", "") or ""
+    forward = getattr(getattr(base, "forward", None), "__func__", getattr(base, "forward", None))
+    return {"modules": modules, "rope": rope.startswith(PACKAGE),
+            "fused_loss": (getattr(forward, "__module__", "") or "").startswith(PACKAGE)}
+
+
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
+    if not decision.active:
+        return False, decision.reason
+    if not getattr(trainer.args, "use_liger_kernel", False):
+        return False, "args.use_liger_kernel=False - MISMATCH: planned True"
+    parts = liger_parts(trainer.model)
+    if not any(parts.values()):
+        return False, "args.use_liger_kernel=True; not patched yet (transformers applies Liger when train() starts)"
+    text = (f"{parts['modules']} Liger module(s) in the model, rotary {'Liger' if parts['rope'] else 'stock'}, "
+            f"loss {'fused linear cross-entropy' if parts['fused_loss'] else 'stock'}")
+    return parts["modules"] > 0, text

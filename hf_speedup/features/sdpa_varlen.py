@@ -1,0 +1,170 @@
+"""``sdpa_varlen``: causal attention over padding-free rows, one sequence at a time, on CPU.
+
+Why: a padding-free row holds several sequences back to back. transformers' ``sdpa`` separates them with a
+block-diagonal ``T x T`` mask, so the kernel still computes every cross-sequence block and then masks it
+out (for 8 sequences of log-uniform 16-512 tokens that is about 4x the attention work that is needed), and
+the mask itself is built every step. The flash-attention kernels avoid that with ``cu_seqlens``, but they
+need CUDA. Here each sequence is handed to torch's own CPU flash-attention kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) with ``is_causal=True``: the same
+math as the masked call (checked in the tests), without the wasted blocks.
+
+The sequence boundaries come from ``position_ids`` (a restart marks a new sequence, the rule transformers
+itself uses in ``find_packed_sequence_indices``). The per-sequence loop runs inside one custom op
+(``hf_speedup::sdpa_varlen``), so ``torch.compile`` sees a single opaque call with a fixed output shape: no
+graph break, no data-dependent shapes, and a changing number of sequences never recompiles.
+
+It is registered with transformers' ``AttentionInterface`` (the attention call) and
+``AttentionMaskInterface`` (no ``T x T`` mask is built when there is no padding), so a model runs it through
+``model.set_attn_implementation("sdpa_varlen")`` like any built-in kernel. Calls it cannot serve (a padding
+mask, decoding with a cache, dropout, non-causal attention, another device) go to transformers' ``sdpa``,
+with a block-diagonal mask made from ``position_ids`` where the row is packed, so every path stays exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "sdpa_varlen"
+_aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------------------- boundaries
+def sequence_bounds(position_ids: torch.Tensor) -> list[list[int]]:
+    """Per row, the start of every sequence plus the row's end: ``[[0, 5, 12, 20], ...]``."""
+    rows = position_ids.reshape(-1, position_ids.shape[-1])
+    first = rows[:, :1] + 1  # never one below the first position: a row always starts a sequence
+    starts = torch.diff(rows, prepend=first, dim=-1) != 1
+    out = []
+    for row in starts:
+        idx = torch.nonzero(row).reshape(-1).tolist()
+        out.append(idx + [rows.shape[-1]])
+    return out
+
+
+def _segments(position_ids: torch.Tensor, batch: int):
+    """(row slice, start, end) for every sequence of a (batch, heads, T, dim) tensor."""
+    bounds = sequence_bounds(position_ids)
+    if len(bounds) == 1:  # one set of boundaries shared by every row
+        return [(slice(None), s, e) for s, e in zip(bounds[0][:-1], bounds[0][1:])]
+    if len(bounds) != batch:
+        raise ValueError(f"position_ids has {len(bounds)} rows for a batch of {batch}")
+    return [(slice(b, b + 1), s, e) for b, row in enumerate(bounds) for s, e in zip(row[:-1], row[1:])]
+
+
+# --------------------------------------------------------------------------------------- the op
+@torch.library.custom_op("hf_speedup::sdpa_varlen", mutates_args=())
+def sdpa_varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of every sequence with itself; (output, logsumexp) shaped like torch's CPU kernel."""
+    out = torch.empty_like(query)
+    lse = query.new_empty(query.shape[:3], dtype=torch.float32)
+    for rows, s, e in _segments(position_ids, query.shape[0]):
+        o, l = _aten._scaled_dot_product_flash_attention_for_cpu(
+            query[rows, :, s:e], key[rows, :, s:e], value[rows, :, s:e], 0.0, True, attn_mask=None, scale=scale)
+        out[rows, :, s:e] = o
+        lse[rows, :, s:e] = l
+    return out, lse
+
+
+@sdpa_varlen.register_fake
+def _(query, key, value, position_ids, scale):
+    return torch.empty_like(query), query.new_empty(query.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("hf_speedup::sdpa_varlen_backward", mutates_args=())
+def sdpa_varlen_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor, position_ids: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    for rows, s, e in _segments(position_ids, query.shape[0]):
+        gq, gk, gv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad[rows, :, s:e], query[rows, :, s:e], key[rows, :, s:e], value[rows, :, s:e], out[rows, :, s:e],
+            lse[rows, :, s:e], 0.0, True, attn_mask=None, scale=scale)
+        dq[rows, :, s:e] = gq
+        dk[rows, :, s:e] = gk
+        dv[rows, :, s:e] = gv
+    return dq, dk, dv
+
+
+@sdpa_varlen_backward.register_fake
+def _(grad, query, key, value, out, lse, position_ids, scale):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, position_ids, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, position_ids)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, position_ids = ctx.saved_tensors
+    dq, dk, dv = torch.ops.hf_speedup.sdpa_varlen_backward(grad_out.contiguous(), query, key, value, out, lse,
+                                                           position_ids, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+sdpa_varlen.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------- transformers glue
+def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool: causal within each sequence of a packed row (the mask transformers' sdpa would use)."""
+    rows = position_ids.reshape(-1, position_ids.shape[-1])
+    seq = (torch.diff(rows, prepend=rows[:, :1] + 1, dim=-1) != 1).cumsum(-1)
+    t = rows.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=rows.device).tril()
+    return ((seq[:, :, None] == seq[:, None, :]) & causal)[:, None]
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """transformers' attention signature; (B, T, H, D) output like ``sdpa_attention_forward``."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    position_ids = kwargs.get("position_ids")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_len = query.shape[2]
+    direct = (attention_mask is None and causal and not dropout and q_len == key.shape[2] and q_len > 1
+              and query.device.type == "cpu")
+    if direct and position_ids is None:
+        raise RuntimeError(
+            f"attention sdpa_varlen: {type(module).__name__} did not pass position_ids to its attention call, so "
+            "the sequences of a padding-free row cannot be told apart; fix: set attention.implementation: sdpa")
+    if not direct:
+        if attention_mask is None and causal and position_ids is not None and q_len == key.shape[2] and q_len > 1:
+            attention_mask = packed_causal_mask(position_ids)  # exact for packed rows, plain causal otherwise
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if torch.is_autocast_enabled(query.device.type):  # what autocast does for sdpa (RoPE leaves q, k in fp32)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    elif not query.dtype == key.dtype == value.dtype:
+        query, key = query.to(value.dtype), key.to(value.dtype)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out, _ = torch.ops.hf_speedup.sdpa_varlen(query, key, value, position_ids, float(scale))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def mask_function(*args, **kwargs):
+    """No mask where the attention separates sequences itself (no padding, no cache offset); else sdpa's."""
+    from transformers.masking_utils import sdpa_mask
+
+    if (kwargs.get("attention_mask") is None and kwargs.get("q_length") == kwargs.get("kv_length")
+            and not kwargs.get("q_offset") and not kwargs.get("kv_offset")):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> str:
+    """Make ``sdpa_varlen`` a transformers attention implementation (idempotent); returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, mask_function)
+    return NAME

@@ -1,0 +1,40 @@
+"""TRL: ``SpeedupSFTTrainer`` = :class:`~hf_speedup.trainer.SpeedupMixin` + ``trl.SFTTrainer``.
+
+What the mixin does for any TRL trainer (``class MyTrainer(SpeedupMixin, DPOTrainer)`` too):
+
+- the trainer keeps its own collator, data preparation and packing: given no collator, hf_speedup builds
+  none (a subclass with its own ``__init__`` makes its own), and padding-free rows are asked of TRL itself
+  (``SFTConfig.padding_free``) where TRL accepts them;
+- ``peft_config=`` is applied before planning, so the plan, compile and the report see the adapters; the
+  user's LoRA wins over a preset's ``lora`` section and shows as engaged;
+- presets map onto ``SFTConfig`` fields where TRL has them: ``padding_free``, ``packing``,
+  ``pad_to_multiple_of`` (data), ``use_liger_kernel`` (liger) and ``activation_offloading`` (memory, on
+  CUDA), each through the feature's ``training_args`` where the arguments have the field.
+
+Importing this module imports TRL; ``hf_speedup.SpeedupSFTTrainer`` does so on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trl import SFTConfig, SFTTrainer
+
+from .trainer import SpeedupMixin
+
+
+class SpeedupSFTTrainer(SpeedupMixin, SFTTrainer):
+    """``trl.SFTTrainer`` plus ``speedup=``; every other argument is SFTTrainer's (``peft_config``,
+    ``formatting_func``, a model id, ...)."""
+
+    def speedup_training_args(self, args: Any):
+        """An ``SFTConfig`` to plan with: TRL's default when none is given, a TrainingArguments converted as
+        SFTTrainer itself converts it, so that the preset's SFTConfig fields can be set."""
+        if args is None:
+            return SFTConfig(output_dir="trainer_output")
+        if not isinstance(args, SFTConfig):
+            values = args.to_dict()
+            values["hub_token"] = args.hub_token  # to_dict hides it
+            return SFTConfig(**values)
+        return args
+

@@ -1,0 +1,129 @@
+"""attention: the kernel chosen per device, dtype and packing (fake capabilities), set and verified on the live
+model's config._attn_implementation; liger: on only where it runs, through transformers' switch."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import CPU_NO_BF16, CUDA_H100, CUDA_V100, fake_caps
+from hf_speedup import SpeedupConfigError, SpeedupTrainer, build_plan, get_preset
+from hf_speedup.features import attention, liger
+
+
+def plan(caps: dict, model, preset="auto", args=None, **attn):
+    cfg = get_preset(preset) if isinstance(preset, str) else preset
+    if attn:
+        cfg = cfg.replace(attention=attn)
+    return build_plan(cfg, caps=fake_caps(**caps), model=model, args=args)
+
+
+@pytest.fixture
+def flash_installed(monkeypatch):
+    """Pretend flash-attn 2 and 3 are installed (never on CI's CPUs)."""
+    monkeypatch.setattr(attention, "installed", lambda package: package in ("flash_attn", "flash_attn_interface"))
+
+
+def test_cpu_picks_sdpa_varlen_for_padding_free_rows_and_sdpa_otherwise(tiny_model, make_args):
+    packed = plan(CPU_NO_BF16, tiny_model, "fast", make_args(per_device_train_batch_size=8))["attention"]
+    assert packed.applied == "sdpa_varlen" and packed.settings.packed
+    assert "no work across sequences" in packed.reason
+    unpacked = plan(CPU_NO_BF16, tiny_model, get_preset("fast").replace(data={"padding_free": False}))["attention"]
+    assert unpacked.applied == "sdpa" and unpacked.reason.endswith("already the model's")
+
+
+def test_cuda_picks_flash_by_generation_and_dtype(tiny_model, flash_installed, make_args):
+    h100 = plan(CUDA_H100, tiny_model, "fast", make_args())["attention"]
+    assert h100.applied == "flash_attention_3" and h100.settings.dtype == "bf16"
+    fp32 = plan(CUDA_H100, tiny_model, get_preset("fast").replace(precision={"dtype": "fp32"}))["attention"]
+    assert fp32.applied == "sdpa"
+    assert "flash_attention_3 computes in bf16/fp16 and the plan trains in fp32" in fp32.reason
+    v100 = plan(CUDA_V100, tiny_model, "auto")["attention"]
+    assert v100.applied == "sdpa" and "needs compute capability >= 8.0" in v100.reason
+
+
+def test_cuda_without_flash_packages_uses_sdpa_with_the_reason(tiny_model, monkeypatch):
+    monkeypatch.setattr(attention, "installed", lambda package: False)
+    d = plan(CUDA_H100, tiny_model, "fast")["attention"]
+    assert d.applied == "sdpa" and "the flash-attn package is not installed" in d.reason
+    assert "block-diagonal mask" in d.reason  # padding-free rows still kept apart
+
+
+def test_a_kernel_that_cannot_run_falls_back_and_says_so(tiny_model):
+    d = plan(CPU_NO_BF16, tiny_model, implementation="flash_attention_2")["attention"]
+    assert d.applied == "sdpa_varlen"  # the next best for the auto preset's padding-free rows on CPU
+    assert d.fallbacks == ("flash_attention_2 -> sdpa_varlen: flash_attention_2 runs on CUDA GPUs; this is cpu",)
+    unpacked = get_preset("auto").replace(data={"padding_free": False}, attention={"implementation": "flex_attention"})
+    flex = plan(CPU_NO_BF16, tiny_model, unpacked)["attention"]
+    assert flex.applied == "sdpa" and "no backward on CPU" in flex.fallbacks[0]
+
+
+def test_strict_raises_naming_what_runs_here(tiny_model):
+    with pytest.raises(SpeedupConfigError, match=r"attention.implementation = 'flash_attention_3' cannot run here "
+                                                 r"\(flash_attention_3 runs on CUDA GPUs; this is cpu\).*allowed here: "
+                                                 r"'sdpa', 'sdpa_varlen', 'eager'"):
+        plan(CPU_NO_BF16, tiny_model, implementation="flash_attention_3", strict=True)
+
+
+def test_bad_value_is_one_clear_error():
+    with pytest.raises(SpeedupConfigError, match=r"attention.implementation = 'flash' is not allowed; allowed: 'auto', "
+                                                 r"'keep', 'sdpa'"):
+        get_preset("auto").replace(attention={"implementation": "flash"})
+
+
+def test_keep_and_models_that_cannot_switch_are_left_alone(tiny_model):
+    import torch
+
+    from hf_speedup.model_info import describe_model
+
+    assert plan(CPU_NO_BF16, tiny_model, "baseline")["attention"].applied == "off"
+    d = plan(CPU_NO_BF16, describe_model(torch.nn.Sequential(torch.nn.Linear(2, 2))), implementation="sdpa")
+    assert d["attention"].applied == "off" and "cannot switch its attention kernel" in d["attention"].reason
+
+
+def test_the_kernel_is_set_on_the_live_model_and_verified(tiny_model, make_args, collator, dataset):
+    cfg = get_preset("fast").replace(compile={"enabled": False})
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, data_collator=collator,
+                             speedup=cfg)
+    assert trainer.model.config._attn_implementation == "sdpa_varlen"
+    state = trainer.speedup_status["attention"]
+    assert state.engaged and "config._attn_implementation=sdpa_varlen" in state.engaged_reason
+    trainer.model.set_attn_implementation("sdpa")  # someone switches it back: verification sees it
+    trainer.verify_speedup()
+    assert not state.engaged and "MISMATCH: planned sdpa_varlen" in state.engaged_reason
+
+
+# ------------------------------------------------------------------------------------------ liger
+def test_liger_is_off_on_cpu_with_the_reason(tiny_model, make_args):
+    d = plan(CPU_NO_BF16, tiny_model, "fast")["liger"]
+    assert d.applied == "off" and d.reason.startswith("Liger's Triton kernels run on CUDA GPUs; this is cpu")
+    assert liger.training_args(d, make_args()) == {}
+    explicit = plan(CPU_NO_BF16, tiny_model, get_preset("fast").replace(liger={"enabled": True}))["liger"]
+    assert explicit.fallbacks and explicit.fallbacks[0].startswith("liger: Liger's Triton kernels run on CUDA")
+
+
+def test_liger_on_cuda_goes_through_transformers_switch(tiny_model, make_args, monkeypatch):
+    monkeypatch.setattr(liger, "installed", lambda: True)
+    monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
+    for preset in ("fast", "memory"):
+        d = plan(CUDA_H100, tiny_model, preset)["liger"]
+        assert d.applied == "rms_norm,rope,swiglu,fused_linear_cross_entropy", preset
+        assert liger.training_args(d, make_args()) == {"use_liger_kernel": True}
+    monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"qwen2"}))
+    assert "no kernels for model type 'llama'" in plan(CUDA_H100, tiny_model, "fast")["liger"].reason
+    monkeypatch.setattr(liger, "installed", lambda: False)
+    assert "liger-kernel is not installed" in plan(CUDA_H100, tiny_model, "fast")["liger"].reason
+
+
+def test_liger_verification_reads_the_live_model(tiny_model, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(liger, "installed", lambda: True)
+    monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
+    d = plan(CUDA_H100, tiny_model, "fast")["liger"]
+    trainer = SimpleNamespace(model=tiny_model, args=SimpleNamespace(use_liger_kernel=True))
+    ok, why = liger.verify(d, trainer, None)
+    assert not ok and "not patched yet" in why
+    norm = type("LigerRMSNorm", (type(tiny_model.model.norm),), {"__module__": "liger_kernel.transformers.rms_norm"})
+    tiny_model.model.norm.__class__ = norm  # what liger's patching leaves behind
+    ok, why = liger.verify(d, trainer, None)
+    assert ok and why.startswith("1 Liger module(s) in the model")

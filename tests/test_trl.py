@@ -1,0 +1,181 @@
+"""TRL: SpeedupSFTTrainer (and SpeedupMixin on any SFTTrainer subclass) keeps TRL's collator, data preparation
+and packing, accepts peft_config (the user's LoRA wins and shows as engaged), maps presets onto SFTConfig
+fields; sft_config() returns a stock SFTConfig."""
+
+from __future__ import annotations
+
+import pytest
+
+trl = pytest.importorskip("trl")
+
+from conftest import CPU_NO_BF16, CUDA_H100, fake_caps  # noqa: E402
+from hf_speedup import SpeedupMixin, build_plan, get_preset, sft_config  # noqa: E402
+from hf_speedup.features import data, memory  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def chat():
+    from hf_speedup.tiny import chat_dataset, chat_tokenizer
+
+    return chat_dataset(48, seed=0), chat_tokenizer()
+
+
+def small_llama():
+    from hf_speedup.tiny import tiny_llama
+
+    return tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+def sft_args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "sft"), per_device_train_batch_size=8, max_steps=3, logging_steps=1,
+                report_to=[], use_cpu=True, bf16=False, save_strategy="no", seed=0, disable_tqdm=True,
+                dataloader_num_workers=0, max_length=None, learning_rate=1e-3)
+    base.update(kw)
+    return trl.SFTConfig(**base)
+
+
+def eager_preset(name: str):
+    return get_preset(name).replace(compile={"backend": "eager"})
+
+
+def losses(trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def test_speedup_sft_trainer_is_exported_and_is_an_sft_trainer():
+    from hf_speedup import SpeedupSFTTrainer
+
+    assert issubclass(SpeedupSFTTrainer, trl.SFTTrainer) and issubclass(SpeedupSFTTrainer, SpeedupMixin)
+
+
+def test_fast_trains_with_trls_own_padding_free_collator(tmp_path, chat):
+    from hf_speedup import SpeedupSFTTrainer
+
+    ds, tok = chat
+    trainer = SpeedupSFTTrainer(model=small_llama(), args=sft_args(tmp_path, max_steps=6), train_dataset=ds,
+                                processing_class=tok, speedup=eager_preset("fast"))
+    collator = trainer.data_collator
+    assert type(collator).__module__.startswith("trl.") and collator.padding_free is True  # TRL's, not ours
+    assert trainer.args.padding_free is True and "input_ids" in trainer.train_dataset.column_names  # TRL prepared it
+    assert trainer.model.config._attn_implementation == "sdpa_varlen"
+    trainer.train()
+    report = trainer.speedup_report.to_dict()
+    for feature in ("data", "attention", "compile"):
+        assert report["plan"][feature]["engaged"], report["plan"][feature]
+    assert "SFTConfig.padding_free=True" in report["plan"]["data"]["reason"]
+    assert len(trainer.train_dataset) == 48  # 6 steps x 8 rows: one epoch, every row once
+    assert report["measurement"]["tokens"] == sum(len(ids) for ids in trainer.train_dataset["input_ids"])
+    assert all(loss == loss for loss in losses(trainer))
+
+
+def test_mixin_on_sft_trainer_keeps_its_collator_when_trl_refuses_padding_free(tmp_path, chat):
+    """SFTConfig's default max_length=1024 without packing: TRL refuses padding_free. hf_speedup must neither
+    ask for it nor build a DataCollatorWithPadding (SFTTrainer would then crash at the first batch)."""
+
+    class MyTrainer(SpeedupMixin, trl.SFTTrainer):
+        pass
+
+    ds, tok = chat
+    trainer = MyTrainer(model=small_llama(), args=sft_args(tmp_path, max_length=1024), train_dataset=ds,
+                        processing_class=tok, speedup="auto")
+    assert type(trainer.data_collator).__module__.startswith("trl.") and not trainer.data_collator.padding_free
+    assert trainer.data_collator.pad_to_multiple_of == 8  # the preset's padding, passed as SFTConfig.pad_to_multiple_of
+    assert any("TRL refuses padding_free" in f for f in trainer.speedup_status["data"].fallbacks)
+    trainer.train()
+    assert len(losses(trainer)) == 3
+
+
+def test_user_peft_config_wins_over_the_lora_preset_and_shows_engaged(tmp_path, chat):
+    from peft import LoraConfig
+
+    from hf_speedup import SpeedupSFTTrainer
+    from hf_speedup.features.lora import lora_layers
+
+    ds, tok = chat
+    user = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = SpeedupSFTTrainer(model=small_llama(), args=sft_args(tmp_path), train_dataset=ds, processing_class=tok,
+                                peft_config=user, speedup="lora")
+    layers = lora_layers(trainer.model)
+    assert sorted({n.split(".")[-1] for n in layers}) == ["q_proj", "v_proj"]  # not the preset's 7 projections
+    assert all(m.r["default"] == 4 for m in layers.values())
+    state = trainer.speedup_status["lora"]
+    assert state.engaged and "the trainer's peft_config LoraConfig(r=4" in state.reason
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    assert any((after[n] - p).abs().max() > 0 for n, p in before.items())  # the adapters trained
+
+
+def test_a_user_collator_is_flattened_by_hf_speedup_not_handed_to_trls_padding_free(tmp_path, chat):
+    """TRL refuses padding_free with a custom collator; hf_speedup flattens the user's one and leaves TRL's off."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_speedup import SpeedupSFTTrainer
+    from hf_speedup.features.padding_free import PaddingFreeCollator
+
+    ds, tok = chat
+    trainer = SpeedupSFTTrainer(model=small_llama(), args=sft_args(tmp_path), train_dataset=ds, processing_class=tok,
+                                data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+                                speedup=eager_preset("fast"))
+    assert isinstance(trainer.data_collator, PaddingFreeCollator) and trainer.args.padding_free is False
+    assert trainer.speedup_status["data"].engaged
+    trainer.train()
+
+
+def test_sft_config_returns_a_stock_sft_config_with_the_presets_fields(caplog):
+    fast = sft_config("fast", output_dir="out", use_cpu=True, bf16=False, max_length=None)
+    assert isinstance(fast, trl.SFTConfig) and fast.padding_free is True and fast.optim == "adamw_torch_fused"
+    baseline = sft_config("baseline", output_dir="out", use_cpu=True, bf16=False, max_length=None)
+    assert baseline.padding_free is False and baseline.optim == trl.SFTConfig(output_dir="o", use_cpu=True).optim
+    with caplog.at_level("WARNING", logger="hf_speedup"):
+        default_length = sft_config("fast", output_dir="out", use_cpu=True, bf16=False)
+    assert default_length.padding_free is False and default_length.pad_to_multiple_of == 64
+    assert "TRL refuses padding_free there" in caplog.text
+
+
+def test_presets_map_onto_sft_config_fields(tmp_path):
+    args = sft_args(tmp_path)
+    cpu = build_plan("fast", caps=fake_caps(**CPU_NO_BF16), args=args)
+    assert data.training_args(cpu["data"], args)["padding_free"] is True
+    packing = get_preset("auto").replace(data={"packing": True})
+    assert data.training_args(build_plan(packing, args=args)["data"], args)["packing"] is True
+    cuda = build_plan("memory", caps=fake_caps(**CUDA_H100), args=args)
+    assert memory.training_args(cuda["memory"], args)["activation_offloading"] is True
+    plain = build_plan("memory", caps=fake_caps(**CUDA_H100))
+    assert "activation_offloading" not in memory.training_args(plain["memory"], None)
+    on_cpu = build_plan("memory", caps=fake_caps(**CPU_NO_BF16), args=args)
+    assert "activation_offloading" not in memory.training_args(on_cpu["memory"], args)
+
+
+@pytest.mark.slow  # a subprocess run of 30 steps
+def test_example_trains_sft_on_generated_chat_data(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "finetune.py"
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, str(script), "--trainer", "sft", "--speedup", "auto", "--max-steps", "30",
+                          "--examples", "400", "--logging-steps", "10", "--output-dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads([line for line in out.stdout.splitlines() if line.startswith('{"preset"')][-1])
+    assert summary["last_loss"] < summary["first_loss"] - 1.0, summary
+    plan = json.loads((tmp_path / "speedup_report.json").read_text())["plan"]
+    assert plan["data"]["engaged"] and "SFTConfig.padding_free=True" in plan["data"]["reason"]
+    assert plan["attention"]["applied"] == "sdpa_varlen" and plan["attention"]["engaged"]
+
+
+def test_a_model_id_is_loaded_before_planning(tmp_path, chat):
+    """TRL trainers take a model id; hf_speedup loads it first (with SFTConfig.model_init_kwargs), so the plan
+    and the features work on the real model."""
+    from hf_speedup import SpeedupSFTTrainer
+
+    ds, tok = chat
+    small_llama().save_pretrained(tmp_path / "model")
+    trainer = SpeedupSFTTrainer(model=str(tmp_path / "model"), args=sft_args(tmp_path, max_steps=1), train_dataset=ds,
+                                processing_class=tok, speedup="auto")
+    assert trainer.speedup_plan.model.architecture == "LlamaForCausalLM"
+    assert trainer.model.config._attn_implementation == "sdpa_varlen" and trainer.speedup_status["attention"].engaged
