@@ -1,6 +1,7 @@
 """The exact-fp32 floor of a training step: its GEMMs and attention kernels alone, at their best.
 
     python benchmarks/bench_fast.py --variants stock,fast,floor
+    (the ``floor`` variant is :func:`floor_variant`, run by ``hf_speedup.bench`` as a custom variant)
 
 A training step's matrix products are fixed by the model and the batch: no setting that keeps the math
 exact removes any of them (compile fuses the elementwise work around them; it does not remove products).
@@ -123,18 +124,15 @@ def machine_peak() -> float:
 class Floor:
     """One lock-step of the ``floor`` variant: the step's GEMMs replayed, then every block's attention."""
 
-    def __init__(self, dataset, collator, batch_size: int, seq_len: int):
-        from hf_speedup.tiny import tiny_llama
-
-        model = tiny_llama(seed=0)
-        gemms = record_gemms(model, collator([dataset[i] for i in range(batch_size)]))
+    def __init__(self, model, batch, batch_size: int, seq_len: int):
+        gemms = record_gemms(model, batch)
         self.replay = Replay(gemms)
         self.attention = attention_timer(model, batch_size, seq_len)
         self.gemm_gflop = gemm_flops(gemms) / 1e9
         self.peak_gflops = None
         self.parts: list[tuple[float, float]] = []
 
-    def __call__(self) -> None:
+    def step(self) -> None:
         if self.peak_gflops is None:  # in the first (warm-up) lock-step: alone on the machine
             self.peak_gflops = machine_peak() / 1e9
         self.parts.append((self.replay(), self.attention()))
@@ -149,3 +147,10 @@ class Floor:
             f"oneDNN) replayed back to back: {1e3 * gemm:.1f} ms, {self.gemm_gflop / gemm:.0f} GFLOP/s (this "
             f"machine's best large GEMM: {self.peak_gflops:.0f} GFLOP/s); flash attention forward + backward, "
             f"all blocks: {1e3 * attention:.1f} ms")}
+
+
+def floor_variant(ctx) -> Floor:
+    """``hf_speedup.bench`` custom-variant factory: the floor of the step of ``ctx.model`` on the first batch
+    (fixed-length data, so every step of the Trainers has this shape)."""
+    rows = [ctx.dataset[i] for i in range(ctx.batch_size)]
+    return Floor(ctx.model, ctx.collator(rows), ctx.batch_size, max(len(r["input_ids"]) for r in rows))

@@ -6,7 +6,9 @@ visibly falls within a minute or two on 2 CPU cores, offline.
 
     python examples/finetune.py                       # preset "auto"
     python examples/finetune.py --speedup fast        # any preset name or a YAML path
+    python examples/finetune.py --trainer sft --speedup fast      # TRL's SFTTrainer on chat data (pip install trl)
     python examples/finetune.py --model ./my-llama --speedup lora
+    python examples/finetune.py --max-steps 10 --profile          # trace of steps 3-4 in outputs/finetune/profile
     python examples/finetune.py --model ./dir --gguf-file model.Q8_0.gguf --speedup lora
     accelerate launch --config_file configs/accelerate/fsdp2_full_shard.yaml examples/finetune.py --speedup fsdp
 """
@@ -36,7 +38,21 @@ def parse_args(argv=None):
     p.add_argument("--report-to", default="none", help="none | wandb | tensorboard | all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="force CPU even where CUDA is present")
+    p.add_argument("--trainer", choices=("speedup", "sft"), default="speedup",
+                   help="speedup: SpeedupTrainer on plain text rows; sft: hf_speedup.SpeedupSFTTrainer (TRL) on a "
+                        "chat-format data set (user/assistant messages) made at run time")
+    p.add_argument("--profile", nargs="?", const={}, type=_profile_window, metavar="WAIT,WARMUP,ACTIVE",
+                   help="profile a window of steps (default: the config's profile section, 1,1,2): a trace under "
+                        "OUTPUT_DIR/profile for TensorBoard/Perfetto, the top operators in the report")
     return p.parse_args(argv)
+
+
+def _profile_window(text: str) -> dict:
+    try:
+        wait, warmup, active = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give three integers WAIT,WARMUP,ACTIVE, e.g. 1,1,2") from None
+    return {"wait": wait, "warmup": warmup, "active": active}
 
 
 def build_model_and_tokenizer(ns):
@@ -78,6 +94,8 @@ def main(argv=None) -> dict:
     from hf_speedup.tiny import causal_lm_collator
 
     config = resolve(ns.speedup)  # fail on a bad preset before loading anything
+    if ns.profile is not None:
+        config = config.replace(profile={"enabled": True, **ns.profile})
     model, tokenizer = build_model_and_tokenizer(ns)
     dataset = build_dataset(ns, tokenizer)
     lr = ns.lr if ns.lr is not None else (2e-4 if (config.lora.enabled and ns.model) else 1e-3)
@@ -87,8 +105,11 @@ def main(argv=None) -> dict:
         logging_steps=ns.logging_steps, save_strategy="no", report_to=ns.report_to, seed=ns.seed,
         use_cpu=ns.cpu, disable_tqdm=True,
     )
-    trainer = SpeedupTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                             data_collator=causal_lm_collator(tokenizer), speedup=config)
+    if ns.trainer == "sft":
+        trainer = build_sft_trainer(ns, model, tokenizer, args, config)
+    else:
+        trainer = SpeedupTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 data_collator=causal_lm_collator(tokenizer), speedup=config)
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     summary = {"preset": config.name, "first_loss": losses[0] if losses else None,
@@ -97,6 +118,27 @@ def main(argv=None) -> dict:
     if trainer.is_world_process_zero():
         print(json.dumps(summary))
     return summary
+
+
+def build_sft_trainer(ns, model, tokenizer, args, config):
+    """TRL's SFTTrainer with speedup=: it tokenizes the chat messages with the tokenizer's chat template and
+    builds its own collator; hf_speedup maps the preset onto SFTConfig (padding_free, ...) and wires the rest."""
+    from trl import SFTConfig
+
+    from hf_speedup import SpeedupSFTTrainer
+    from hf_speedup.tiny import CHAT_TEMPLATE, chat_dataset
+
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = CHAT_TEMPLATE  # the embedded tokenizer spells "u:question|a:answer|"
+    values = {k: v for k, v in args.to_dict().items() if k in SFTConfig.__dataclass_fields__}
+    values.update(
+        bf16=False,  # SFTConfig defaults to bf16; the precision feature picks bf16 where it is fast here
+        max_length=None,  # the generated conversations are short: no truncation, so TRL allows padding-free rows
+        hub_token=None,
+    )
+    sft_args = SFTConfig(**values)
+    return SpeedupSFTTrainer(model=model, args=sft_args, train_dataset=chat_dataset(ns.examples, seed=ns.seed),
+                             processing_class=tokenizer, speedup=config)
 
 
 def _end_distributed() -> None:

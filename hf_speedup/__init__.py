@@ -1,11 +1,13 @@
 """hf_speedup: the right accelerations for Hugging Face fine-tuning, wired in and verified."""
 
 from .config import SpeedupConfig, SpeedupConfigError
+from .estimate import estimate_memory
+from .features.interrupt import TrainingInterrupted
 from .features.memory import enable_expandable_segments, memory_env
 from .loading import load_model, load_tokenizer
 from .plan import build_plan
 from .presets import get_preset, list_presets
-from .stock import training_arguments
+from .stock import sft_config, training_arguments
 from .trainer import SpeedupMixin, SpeedupTrainer
 
 __all__ = [
@@ -16,10 +18,25 @@ __all__ = [
     "get_preset",
     "list_presets",
     "training_arguments",
+    "sft_config",
     "build_plan",
+    "estimate_memory",
     "load_model",
     "load_tokenizer",
     "memory_env",
     "enable_expandable_segments",
+    "TrainingInterrupted",
 ]
 from ._version import __version__  # noqa: F401
+
+
+def __getattr__(name: str):
+    """``SpeedupSFTTrainer`` imports TRL, so only on first use (and only where TRL is installed)."""
+    if name == "SpeedupSFTTrainer":
+        try:
+            from .trl_support import SpeedupSFTTrainer
+        except ImportError as exc:
+            raise ImportError("hf_speedup.SpeedupSFTTrainer needs TRL: pip install 'hf_speedup[trl]' "
+                              f"(or pip install trl); import failed: {exc}") from exc
+        return SpeedupSFTTrainer
+    raise AttributeError(f"module 'hf_speedup' has no attribute {name!r}")

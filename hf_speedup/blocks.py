@@ -14,14 +14,24 @@ def _pretrained_roots(model: nn.Module) -> list[nn.Module]:
 
 
 def block_class_names(model: nn.Module) -> list[str]:
-    """Names of the block classes, from HF's ``_no_split_modules`` or else the homogeneous ModuleList."""
-    names: list[str] = []
+    """Names of the block classes, from HF's ``_no_split_modules`` or else the homogeneous ModuleList.
+
+    ``_no_split_modules`` also lists modules that must merely stay on one device (BERT's ``BertEmbeddings``):
+    only classes whose instances sit in a ``ModuleList`` (the repeated stack) count as blocks. The names come
+    in forward order (``_no_split_modules`` is a set in recent transformers: its order changes run to run).
+    """
+    declared: set[str] = set()
     for root in _pretrained_roots(model):
-        for n in root._no_split_modules or []:
-            if n not in names:
-                names.append(n)
-    present = {type(m).__name__ for m in model.modules()}
-    names = [n for n in names if n in present]
+        declared.update(root._no_split_modules or [])
+    present: list[str] = []  # declared classes, in forward order
+    stacked: set[str] = set()
+    for m in model.modules():
+        name = type(m).__name__
+        if name in declared and name not in present:
+            present.append(name)
+        if isinstance(m, nn.ModuleList):
+            stacked.update(type(c).__name__ for c in m)
+    names = [n for n in present if n in stacked] or present
     if names:
         return names
     lst = _largest_homogeneous_list(model)

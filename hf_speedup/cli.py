@@ -1,9 +1,24 @@
-"""`hf-speedup` command: presets, plan, accelerate-config, report, demo."""
+"""`hf-speedup` command: presets, plan, estimate, accelerate-config, report, bench, demo."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
+
+
+class CliError(Exception):
+    """A user mistake on the command line: printed as one line on stderr, exit status 2, no traceback."""
+
+
+@contextmanager
+def _writing(what: str, target):
+    """Turn an OSError while writing ``target`` into a CliError naming the option, the path and the fix."""
+    try:
+        yield
+    except OSError as exc:
+        raise CliError(f"{what} {str(target)!r}: cannot write there ({exc.strerror or exc}); fix: choose a "
+                       "writable path") from None
 
 
 def _cmd_presets(ns) -> int:
@@ -11,7 +26,9 @@ def _cmd_presets(ns) -> int:
     from .presets import list_presets, write_preset_yamls
 
     if ns.write:
-        for p in write_preset_yamls(ns.write):
+        with _writing("presets --write", ns.write):
+            written = write_preset_yamls(ns.write)
+        for p in written:
             print(p)
         return 0
     rows = [[name, desc] for name, desc in list_presets().items()]
@@ -28,16 +45,25 @@ def _load_model_for_plan(ns):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(ns.model)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    try:
+        config = AutoConfig.from_pretrained(ns.model)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError) as exc:  # no such path / id, no config.json, not a causal LM
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CliError(f"plan --model {ns.model!r}: no causal-LM config could be read there ({first}); fix: give a "
+                       "local model directory holding config.json, or a hub id that is reachable or cached, or "
+                       "use --tiny") from None
 
 
 def _cmd_plan(ns) -> int:
     from .plan import build_plan
     from .report import Report
 
-    report = Report(build_plan(ns.preset if not ns.config else ns.config, model=_load_model_for_plan(ns)))
+    from .presets import resolve
+
+    config = resolve(ns.preset if not ns.config else ns.config)  # a bad config fails before any model is built
+    report = Report(build_plan(config, model=_load_model_for_plan(ns)))
     if ns.json:
         import json
 
@@ -50,8 +76,9 @@ def _cmd_plan(ns) -> int:
 def _cmd_accelerate_config(ns) -> int:
     from .accelerate_config import write_accelerate_config
 
-    out = write_accelerate_config(ns.preset, num_processes=ns.num_processes, num_machines=ns.num_machines,
-                                  path=ns.output)
+    with _writing("accelerate-config --output", ns.output):
+        out = write_accelerate_config(ns.preset, num_processes=ns.num_processes, num_machines=ns.num_machines,
+                                      path=ns.output)
     print(out)
     return 0
 
@@ -64,7 +91,8 @@ def _cmd_report(ns) -> int:
     else:
         report_cli.print_report(ns.path)
     if ns.plot:
-        report_cli.plot_report(ns.path, ns.plot)
+        with _writing("report --plot", ns.plot):
+            report_cli.plot_report(ns.path, ns.plot)
         print(f"plot written to {ns.plot}")
     return 0
 
@@ -74,6 +102,66 @@ def _cmd_demo(ns) -> int:
 
     run_demo(ns.preset, max_steps=ns.max_steps, output_dir=ns.output_dir)
     return 0
+
+
+def _cmd_estimate(ns) -> int:
+    """The breakdown table, whether it fits this device (or --memory), and the cheapest change that would."""
+    import json
+
+    from .config import SpeedupConfigError, parse_size
+    from .estimate import cheapest_fit, describe_for_estimate, estimate_described, fits_text
+    from .hardware import probe
+    from .memory_model import fmt_bytes
+    from .presets import resolve
+    from .report.console import fmt_params, table
+
+    config = resolve(ns.preset)  # a bad preset fails before any model is built
+    if ns.tiny or not (ns.model or ns.config):
+        from .tiny import tiny_llama
+
+        source = tiny_llama()
+    else:
+        source = ns.model or (json.loads(ns.config) if ns.config.lstrip().startswith("{") else ns.config)
+    try:
+        described = describe_for_estimate(source)
+    except SpeedupConfigError:
+        raise  # already names the field, the value and the fix
+    except (OSError, ValueError) as exc:
+        raise CliError(f"estimate: no causal-LM config could be read from {ns.model or ns.config!r} "
+                       f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); fix: a "
+                       "model directory or config.json, a .gguf file, a cached hub id, or --tiny") from None
+    caps = probe()
+    memory = parse_size(ns.memory) if ns.memory else caps.memory_bytes
+    if ns.memory and not memory:
+        raise CliError(f"estimate --memory {ns.memory!r}: not a size; fix: e.g. --memory 80GB or --memory 24GiB")
+    kw = dict(batch_size=ns.batch_size, seq_len=ns.seq_len, world_size=ns.world_size,
+              gradient_accumulation_steps=ns.grad_accum, caps=caps, padded=ns.padded)
+    est = estimate_described(described, config, **kw)
+    where = "--memory" if ns.memory else f"this device's memory, {caps.device_name}"
+    lines = [f"hf_speedup estimate: {described[0].architecture} ({fmt_params(described[0].total_parameters)} "
+             f"parameters), preset '{config.name}' on {caps.device_type}, micro-batch {ns.batch_size} x {ns.seq_len} "
+             f"tokens, {ns.world_size} process(es)",
+             table(["item", "at peak", "full size", "what"], est.rows(), [22, 11, 11, 30]),
+             fits_text(est, memory, where)]
+    if est.plan_changes:
+        lines.append("memory.budget changed the plan: " + "; ".join(est.plan_changes))
+    fits = memory is not None and est.fits(memory)
+    if memory and not fits:
+        chosen, text = cheapest_fit(described, config, memory, **kw)
+        lines.append(f"cheapest change that fits: {text} (predicted {fmt_bytes(chosen.total_bytes)})" if chosen
+                     else f"nothing fits: {text}")
+    lines += [f"note: {n}" for n in est.notes]
+    if ns.json:
+        print(json.dumps(est.to_dict(), indent=2, default=str))
+    else:
+        print("\n".join(lines))
+    return 0 if fits else 1
+
+
+def _cmd_bench(ns) -> int:
+    from .bench.cli import run_from_args
+
+    return run_from_args(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,17 +199,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-steps", type=int, default=60)
     s.add_argument("--output-dir", default="outputs/demo")
     s.set_defaults(func=_cmd_demo)
+
+    s = sub.add_parser("estimate", help="peak memory of one training step, before loading any weights")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--model", help="local directory, config.json, .gguf file or cached hub id (only its config "
+                                   "is read)")
+    g.add_argument("--config", help="a transformers model config: a JSON file or inline JSON with model_type")
+    g.add_argument("--tiny", action="store_true", help="the embedded tiny Llama (default)")
+    s.add_argument("--preset", default="auto", help="preset name or SpeedupConfig YAML (default: auto)")
+    s.add_argument("--batch-size", type=int, default=8, help="per-device micro-batch (default: 8)")
+    s.add_argument("--seq-len", type=int, required=True, help="tokens per row")
+    s.add_argument("--world-size", type=int, default=1, help="processes (FSDP shards over them)")
+    s.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    s.add_argument("--memory", help="memory to fit in, e.g. 80GB or 24GiB (default: this device's memory)")
+    s.add_argument("--padded", action="store_true", help="batches carry a padding mask (no packing)")
+    s.add_argument("--json", action="store_true", help="the estimate as JSON")
+    s.set_defaults(func=_cmd_estimate)
+
+    from .bench.cli import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments
+
+    s = sub.add_parser("bench", help="every preset against the peers on this machine: one table",
+                       description=BENCH_DESCRIPTION)
+    add_bench_arguments(s)
+    s.set_defaults(func=_cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A user mistake (bad config, missing or malformed file, unwritable path) is one line on
+    stderr and exit status 2; only a defect of hf_speedup itself shows a traceback."""
     from .config import SpeedupConfigError
+    from .report.cli import ReportInputError
 
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns) or 0
     except SpeedupConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"hf-speedup {ns.command}: error: {'; '.join(exc.problems)}", file=sys.stderr)
+        return 2
+    except (CliError, ReportInputError) as exc:
+        print(f"hf-speedup {ns.command}: error: {exc}", file=sys.stderr)
         return 2
 
 

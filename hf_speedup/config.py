@@ -68,6 +68,12 @@ class MemorySettings:
     empty_cache_steps: int | None = None
     expandable_segments: bool = False
     cpu_reuse_freed: bool = False  # glibc keeps freed blocks mapped: no page faults per step on CPU
+    activation_offloading: Any = False  # auto | true | false: TRL's SFTConfig.activation_offloading (CUDA)
+    # The plan fits the step into this: bytes, a size ('24GB', '80GiB'), a fraction of the device's memory
+    # (0.9) or auto (all of it); null: no budget. See features/memory_budget.py.
+    budget: Any = None
+    seq_len: int | None = None  # the longest batch row, for the budget (else the arguments' max_length)
+    track_live_tensors: bool = False  # report: one step's peak of live tensor bytes (torch's MemTracker)
 
 
 @dataclass
@@ -105,6 +111,58 @@ class DataSettings:
     prefetch_factor: int | None = None
     persistent_workers: bool | None = None
     drop_last: bool | None = None  # True: no odd-sized last batch (static-shape compile would recompile for it)
+    padding_free: Any = False  # auto | true | false: a batch becomes one row of its sequences, no padding
+    packing: bool | None = None  # TRL's SFTConfig.packing (several examples per row); None keeps the trainer's
+
+
+@dataclass
+class LossSettings:
+    """Causal-LM loss: chunked cross-entropy never holds the full tokens x vocab logits (or their gradient)."""
+
+    chunked: Any = AUTO  # auto (the memory budget decides) | true | false
+    chunk_tokens: int = 1024  # tokens per chunk: one chunk's fp32 logits are chunk_tokens x vocab x 4 bytes
+
+
+@dataclass
+class ProfileSettings:
+    """torch.profiler over a window of steps: a trace for TensorBoard/Perfetto, top operators in the report."""
+
+    enabled: bool = False
+    wait: int = 1  # steps not profiled first (the first step allocates, compiles)
+    warmup: int = 1  # profiled but discarded (profiler start-up)
+    active: int = 2  # steps recorded into the trace
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    memory_snapshot: bool = True  # CUDA only: allocator history of the window -> pickle for PyTorch's memory viewer
+    top_operators: int = 15  # rows of the top-operators table in the report
+
+
+# Signals a preemption handler may take (SIGKILL/SIGSTOP cannot be caught; SIGQUIT keeps its core dump).
+INTERRUPT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
+
+
+@dataclass
+class InterruptSettings:
+    """Preemption: on these signals finish the optimizer step, save a checkpoint of it, exit 128 + signal."""
+
+    enabled: Any = AUTO  # auto | true | false
+    signals: list = field(default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"])
+
+
+@dataclass
+class AttentionSettings:
+    """The attention kernel (``config._attn_implementation``), chosen per device, dtype and packing."""
+
+    implementation: str = AUTO  # auto | keep | sdpa | sdpa_varlen | eager | flash_attention_2 | flash_attention_3 | flex_attention
+    strict: bool = False  # raise instead of falling back when the kernel asked for cannot run here
+
+
+@dataclass
+class LigerSettings:
+    """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) via TrainingArguments.use_liger_kernel."""
+
+    enabled: Any = False  # auto (CUDA + liger-kernel installed) | true | false
 
 
 SECTIONS: dict[str, type] = {
@@ -116,6 +174,11 @@ SECTIONS: dict[str, type] = {
     "lora": LoraSettings,
     "fsdp": FsdpSettings,
     "data": DataSettings,
+    "attention": AttentionSettings,
+    "liger": LigerSettings,
+    "loss": LossSettings,
+    "profile": ProfileSettings,
+    "interrupt": InterruptSettings,
 }
 
 # field -> (allowed values, example fix). Fields not listed are checked by type only.
@@ -133,17 +196,28 @@ CHOICES: dict[str, tuple[tuple, Any]] = {
     "fsdp.version": ((1, 2), 2),
     "fsdp.strategy": (("full_shard", "shard_grad_op", "hybrid_shard", "no_shard"), "full_shard"),
     "fsdp.state_dict_type": (("sharded", "full"), "sharded"),
+    "data.padding_free": ((AUTO, True, False), AUTO),
+    "attention.implementation": ((AUTO, "keep", "sdpa", "sdpa_varlen", "eager", "flash_attention_2",
+                                  "flash_attention_3", "flex_attention"), AUTO),
+    "liger.enabled": ((AUTO, True, False), AUTO),
+    "memory.activation_offloading": ((AUTO, True, False), AUTO),
+    "loss.chunked": ((AUTO, True, False), True),
+    "interrupt.enabled": ((AUTO, True, False), AUTO),
 }
 
-POSITIVE_INTS = {"checkpointing.every_n_blocks", "lora.r", "lora.alpha"}
-OPTIONAL_POSITIVE_INTS = {"memory.empty_cache_steps", "data.pad_to_multiple_of", "data.prefetch_factor"}
+POSITIVE_INTS = {"checkpointing.every_n_blocks", "lora.r", "lora.alpha", "loss.chunk_tokens", "profile.active",
+                 "profile.top_operators"}
+NON_NEGATIVE_INTS = {"profile.wait", "profile.warmup"}
+OPTIONAL_POSITIVE_INTS = {"memory.empty_cache_steps", "memory.seq_len", "data.pad_to_multiple_of", "data.prefetch_factor"}
 OPTIONAL_NON_NEGATIVE_INTS = {"data.num_workers"}
 BOOLS = {
+    "memory.track_live_tensors",
     "precision.strict", "compile.fullgraph", "optimizer.strict", "memory.expandable_segments",
     "memory.cpu_reuse_freed", "lora.enabled", "lora.strict", "fsdp.enabled", "fsdp.cpu_offload",
-    "fsdp.cpu_ram_efficient_loading",
+    "fsdp.cpu_ram_efficient_loading", "profile.enabled", "profile.record_shapes", "profile.profile_memory",
+    "profile.with_stack", "profile.memory_snapshot", "attention.strict",
 }
-OPTIONAL_BOOLS = {"data.pin_memory", "data.persistent_workers", "data.drop_last"}
+OPTIONAL_BOOLS = {"data.pin_memory", "data.persistent_workers", "data.drop_last", "data.packing"}
 
 
 def _fmt(values) -> str:
@@ -164,6 +238,11 @@ class SpeedupConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     fsdp: FsdpSettings = field(default_factory=FsdpSettings)
     data: DataSettings = field(default_factory=DataSettings)
+    attention: AttentionSettings = field(default_factory=AttentionSettings)
+    liger: LigerSettings = field(default_factory=LigerSettings)
+    loss: LossSettings = field(default_factory=LossSettings)
+    profile: ProfileSettings = field(default_factory=ProfileSettings)
+    interrupt: InterruptSettings = field(default_factory=InterruptSettings)
 
     # ----------------------------------------------------------------- validation
     def problems(self) -> list[str]:
@@ -194,6 +273,14 @@ class SpeedupConfig:
         if not isinstance(self.lora.dropout, (int, float)) or isinstance(self.lora.dropout, bool) or not 0 <= self.lora.dropout < 1:
             out.append(
                 f"lora.dropout = {self.lora.dropout!r} is not allowed; allowed: a number in [0, 1); fix: e.g. lora.dropout: 0.05"
+            )
+        sig = self.interrupt.signals
+        if not (isinstance(sig, (list, tuple)) and sig and all(isinstance(n, str) and n in INTERRUPT_SIGNALS for n in sig)
+                and len(set(sig)) == len(sig)):
+            out.append(
+                f"interrupt.signals = {sig!r} is not allowed; allowed: a non-empty list of distinct names from "
+                f"{_fmt(INTERRUPT_SIGNALS)}; fix: e.g. interrupt.signals: [SIGTERM, SIGINT, SIGUSR1], or "
+                "interrupt.enabled: false to handle none"
             )
         return out
 
@@ -270,7 +357,45 @@ def _unknown(key: str, allowed: list[str]) -> str:
     return f"{key} is not a known setting; allowed: {', '.join(allowed)}; fix: remove it or rename it ({hint})"
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: Any) -> int | None:
+    """Bytes of a size such as ``24GB`` (decimal), ``80 GiB`` (binary) or ``1.5e9``; None when it is not one."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    if isinstance(value, (int, float)):
+        return int(value) if value >= 1 else None
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        return None
+    if unit not in _SIZE_UNITS or amount <= 0 or (unit == "" and amount < 1):
+        return None
+    return int(amount * _SIZE_UNITS[unit])
+
+
+def budget_problem(value: Any) -> str | None:
+    """Why ``memory.budget`` is not allowed (None when it is)."""
+    if value is None or value == AUTO:
+        return None
+    if isinstance(value, float) and 0 < value <= 1:
+        return None  # a fraction of the device's memory
+    if parse_size(value) is not None:
+        return None
+    return (f"memory.budget = {value!r} is not allowed; allowed: null, 'auto' (the device's memory), a number of "
+            "bytes, a size such as '24GB' or '80GiB', or a fraction of the device's memory in (0, 1]; "
+            "fix: e.g. memory.budget: 24GB")
+
+
 def _check_field(key: str, value: Any) -> list[str]:
+    if key == "memory.budget":
+        problem = budget_problem(value)
+        return [problem] if problem else []
     if key in CHOICES:
         allowed, example = CHOICES[key]
         # bool is an int subclass: compare with type so that 1 != True is enforced for versions
@@ -280,6 +405,8 @@ def _check_field(key: str, value: Any) -> list[str]:
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if key in POSITIVE_INTS and not (is_int and value > 0):
         return [f"{key} = {value!r} is not allowed; allowed: an integer >= 1; fix: e.g. {key}: 1"]
+    if key in NON_NEGATIVE_INTS and not (is_int and value >= 0):
+        return [f"{key} = {value!r} is not allowed; allowed: an integer >= 0; fix: e.g. {key}: 1"]
     if key in OPTIONAL_POSITIVE_INTS and not (value is None or (is_int and value > 0)):
         return [f"{key} = {value!r} is not allowed; allowed: null or an integer >= 1; fix: e.g. {key}: 8, or null to disable"]
     if key in OPTIONAL_NON_NEGATIVE_INTS and not (value is None or (is_int and value >= 0)):

@@ -29,6 +29,7 @@ class Capabilities:
     local_rank: int = 0
     cpu_threads: int = 1
     torch_version: str = ""
+    memory_bytes: int | None = None  # the device's memory: CUDA total_memory, CPU physical RAM (memory.budget: auto)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +94,7 @@ def probe() -> Capabilities:
         bf16 = torch.cuda.is_bf16_supported() and cc >= (8, 0)
         bnb, bnb_reason = _bitsandbytes(True)
         comp, comp_reason = _compile_ok(True)
+        common["memory_bytes"] = int(torch.cuda.get_device_properties(idx).total_memory)
         return Capabilities(
             device_type="cuda", device_name=name, device_count=torch.cuda.device_count(), compute_capability=cc,
             bf16=bf16, bf16_reason=f"CUDA compute capability {cc[0]}.{cc[1]}" + ("" if bf16 else " < 8.0: no bf16"),
@@ -100,6 +102,7 @@ def probe() -> Capabilities:
             compile=comp, compile_reason=comp_reason, **common,
         )
     bf16, bf16_reason = _cpu_bf16()
+    common["memory_bytes"] = _physical_memory()
     bnb, bnb_reason = _bitsandbytes(False)
     comp, comp_reason = _compile_ok(False)
     return Capabilities(
@@ -107,6 +110,15 @@ def probe() -> Capabilities:
         fused_adamw=True, bitsandbytes=bnb, bitsandbytes_reason=bnb_reason, compile=comp,
         compile_reason=comp_reason, **common,
     )
+
+
+def _physical_memory() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:  # pragma: no cover - psutil is a dependency
+        return None
 
 
 def cpu_name() -> str:

@@ -9,6 +9,7 @@ from torch import nn
 
 from .blocks import block_class_names, find_blocks, unwrap_model
 from .dtypes import long_name
+from .model_shape import ModelShape, model_shape
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,12 @@ class ModelInfo:
     dtype: str = "float32"
     is_peft: bool = False
     quantization: str | None = None  # "4bit" | "8bit" | "gguf" | other quantizer name | None
-    linear_names: tuple[str, ...] = ()  # leaf names of nn.Linear modules inside blocks (LoRA targets)
+    linear_names: tuple[str, ...] = ()  # leaf names of the linear layers inside blocks (LoRA targets)
+    attn_implementation: str | None = None  # config._attn_implementation of the live model
+    attention_kernels: tuple[str, ...] = ()  # what the class declares: sdpa, flash_attention, flex_attention, interface
+    packed_sequences: bool = False  # padding-free rows (position_ids restarting per sequence) are kept apart
+    packed_reason: str = ""
+    shape: ModelShape | None = None  # the sizes memory estimates need (memory_model)
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -50,6 +56,16 @@ def quantization_of(model: nn.Module) -> str | None:
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
         return str(getattr(method, "value", method) or "quantized")
     return None
+
+
+# Layers peft's LoRA adapts as linear: nn.Linear, transformers' Conv1D (GPT-2's projections: a Linear with
+# transposed weight) and the bitsandbytes k-bit Linears.
+LINEAR_LAYER_CLASSES = ("Linear4bit", "Linear8bitLt", "Conv1D")
+
+
+def is_linear_layer(m: nn.Module) -> bool:
+    """A layer LoRA can adapt as a linear projection (see ``LINEAR_LAYER_CLASSES``)."""
+    return isinstance(m, nn.Linear) or type(m).__name__ in LINEAR_LAYER_CLASSES
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,44 @@ def parameter_counts(model) -> ParamCounts:
                        embedding=emb)
 
 
+def attention_facts(model: nn.Module) -> dict:
+    """The attention kernel in use, the kernels the class can switch to, and whether padding-free rows work.
+
+    Packed sequences are kept apart where the modeling code builds its masks with transformers'
+    ``create_causal_mask`` (it detects restarting ``position_ids``) and dispatches attention through
+    ``AttentionInterface`` (flash kernels take ``cu_seqlens`` from the same position ids).
+    """
+    import sys
+
+    base = unwrap_model(model)
+    cfg = getattr(base, "config", None)
+    impl = getattr(cfg, "_attn_implementation", None) if cfg is not None else None
+    cls = type(base)
+    kernels = [name for flag, name in (("_supports_sdpa", "sdpa"), ("_supports_flash_attn", "flash_attention"),
+                                       ("_supports_flex_attn", "flex_attention")) if getattr(cls, flag, False)]
+    can_set = getattr(cls, "_can_set_attn_implementation", None)
+    try:
+        interface = bool(can_set()) if callable(can_set) else False
+    except Exception:  # a heuristic over the module source; never fatal
+        interface = False
+    if interface:
+        kernels.append("interface")
+    module = sys.modules.get(cls.__module__)
+    masks = module is not None and hasattr(module, "create_causal_mask")
+    decoder = cfg is not None and not getattr(cfg, "is_encoder_decoder", False)
+    if not decoder:
+        packed, why = False, f"{cls.__name__} is not a decoder-only model"
+    elif not (masks and interface):
+        packed, why = False, (f"{cls.__name__}'s modeling code does not build its masks with transformers' "
+                              "create_causal_mask through AttentionInterface, so packed sequences would attend to "
+                              "each other")
+    else:
+        packed, why = True, (f"{cls.__name__} builds masks with create_causal_mask (sequences found from restarting "
+                             "position_ids) and dispatches attention through AttentionInterface")
+    return {"attn_implementation": impl, "attention_kernels": tuple(kernels), "packed_sequences": packed,
+            "packed_reason": why}
+
+
 def describe_model(model: nn.Module) -> ModelInfo:
     cfg = getattr(model, "config", None)
     text_cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
@@ -114,7 +168,7 @@ def describe_model(model: nn.Module) -> ModelInfo:
     linear_names: list[str] = []
     for b in blocks[:1]:
         for name, m in b.named_modules():
-            if isinstance(m, nn.Linear) or type(m).__name__ in ("Linear4bit", "Linear8bitLt"):
+            if is_linear_layer(m):
                 leaf = name.split(".")[-1]
                 if leaf and leaf not in linear_names and leaf not in ("base_layer",):
                     linear_names.append(leaf)
@@ -134,4 +188,6 @@ def describe_model(model: nn.Module) -> ModelInfo:
         is_peft=hasattr(model, "peft_config"),
         quantization=quantization_of(model),
         linear_names=tuple(linear_names),
+        **attention_facts(model),
+        shape=model_shape(model),
     )

@@ -14,34 +14,45 @@ from .config import SpeedupConfig, SpeedupConfigError
 _PRESETS: dict[str, tuple[str, dict]] = {
     "baseline": (
         "Nothing changed: exactly the stock Trainer with your TrainingArguments. The reference for parity and speed.",
-        {"precision": {"dtype": "keep", "tf32": "keep"}, "optimizer": {"name": "keep"}},
+        {"precision": {"dtype": "keep", "tf32": "keep"}, "optimizer": {"name": "keep"},
+         "interrupt": {"enabled": False},  # signals keep their default action, as with the stock Trainer
+         "attention": {"implementation": "keep"}},
     ),
     "auto": (
         "Safe wins for this machine: native bf16 where it is fast, TF32, fused AdamW, regional compile on GPUs, "
-        "padding to a multiple of 8. No change to the math beyond precision; costs nothing to turn on.",
-        {"compile": {"enabled": "auto"}, "data": {"pad_to_multiple_of": 8, "pin_memory": True}},
+        "padding-free batches where the model keeps packed sequences apart (else padding to a multiple of 8), the "
+        "attention kernel for the device and the rows. No change to the math beyond precision; costs nothing to "
+        "turn on.",
+        {"compile": {"enabled": "auto"},
+         "data": {"pad_to_multiple_of": 8, "pin_memory": True, "padding_free": "auto"}},
     ),
     "fast": (
         "Maximum steps/s: auto plus regional compile of the decoder blocks on every device (max-autotune GEMMs), "
-        "static padded shapes (the last partial batch of an epoch is dropped), and on CPU freed memory kept for "
-        "reuse. Trade-off: a cold compile at start (tens of seconds on CPU); on CPU resident memory stays at its "
-        "peak. regions: blocks+head also compiles final norm + lm_head + loss (no steady gain measurable on "
-        "CPU here, ~40% longer cold start).",
+        "padding-free rows with a dynamic sequence dimension (or, where rows must be padded, static shapes padded "
+        "to 64 with the last partial batch of an epoch dropped), Liger kernels on CUDA, and on CPU freed memory "
+        "kept for reuse. Trade-off: a cold compile at start (tens of seconds on CPU); on CPU resident memory stays "
+        "at its peak. regions: blocks+head also compiles final norm + lm_head + loss (no steady gain measurable "
+        "on CPU here, ~40% longer cold start).",
         {
             "compile": {"enabled": True, "mode": "max-autotune", "dynamic": False, "regions": "blocks"},
             "optimizer": {"name": "adamw_fused"},
             "memory": {"cpu_reuse_freed": True},
-            "data": {"pad_to_multiple_of": 64, "drop_last": True},
+            "data": {"pad_to_multiple_of": 64, "drop_last": True, "padding_free": "auto"},
+            "liger": {"enabled": "auto"},
         },
     ),
     "memory": (
-        "Fit a bigger model or batch: activation checkpointing on every block, paged 8-bit AdamW (GPU), "
-        "expandable CUDA segments, periodic empty-cache. Trade-off: ~30% slower steps from recomputation.",
+        "Fit a bigger model or batch: activation checkpointing on every block, chunked cross-entropy (the "
+        "full-vocabulary logits never exist), paged 8-bit AdamW (GPU), expandable CUDA segments, periodic "
+        "empty-cache, Liger kernels on CUDA, TRL's activation offloading on CUDA. Trade-off: ~30% slower steps "
+        "from recomputation.",
         {
             "checkpointing": {"enabled": True, "every_n_blocks": 1},
+            "loss": {"chunked": True},
             "optimizer": {"name": "paged_adamw_8bit"},
-            "memory": {"empty_cache_steps": 50, "expandable_segments": True},
+            "memory": {"empty_cache_steps": 50, "expandable_segments": True, "activation_offloading": "auto"},
             "data": {"pad_to_multiple_of": 8, "pin_memory": True},
+            "liger": {"enabled": "auto"},
         },
     ),
     "lora": (
@@ -140,8 +151,11 @@ def from_dict(data: dict, source: str | None = None) -> SpeedupConfig:
 
 def resolve(speedup: Any) -> SpeedupConfig:
     """Anything ``SpeedupTrainer(speedup=...)`` accepts -> a validated SpeedupConfig."""
-    if speedup is None:
-        speedup = "auto"
+    if speedup is None:  # ambiguous: "the default" to some, "nothing" to others; say which is which
+        raise SpeedupConfigError([
+            f"speedup = None is not allowed; allowed: a preset name ({', '.join(_PRESETS)}), a SpeedupConfig, a dict "
+            "or a .yaml path; fix: leave speedup out for the default 'auto', or speedup='baseline' for the stock "
+            "Trainer unchanged"])
     if isinstance(speedup, SpeedupConfig):
         return speedup.validate()
     if isinstance(speedup, dict):

@@ -1,4 +1,4 @@
-"""Presets for people who keep the stock Trainer: what TrainingArguments can carry of a plan."""
+"""Presets for people who keep the stock Trainer (or TRL's SFTTrainer): what their arguments can carry of a plan."""
 
 from __future__ import annotations
 
@@ -7,12 +7,16 @@ from typing import Any
 
 from .compat import replace_args
 from .features import FEATURES
+from .features.data import EXPLICIT_ARGS_ATTR
+from .inputs import check, launch_problems
 from .plan import build_plan
 
 logger = logging.getLogger("hf_speedup")
 
 # Features applied to the model itself: TrainingArguments cannot carry them unless the feature says how.
-MODEL_LEVEL = {"compile", "lora", "checkpointing", "fsdp"}
+MODEL_LEVEL = {"compile", "lora", "checkpointing", "fsdp", "loss", "profile"}
+# Features that act around the training loop (signal handlers, a callback): SpeedupTrainer's train() only.
+TRAINER_LEVEL = {"interrupt"}
 
 
 def training_arguments(preset: Any = "auto", **kwargs):
@@ -23,9 +27,27 @@ def training_arguments(preset: Any = "auto", **kwargs):
     """
     from transformers import TrainingArguments
 
+    return _stock_args(TrainingArguments, preset, kwargs)
+
+
+def sft_config(preset: Any = "auto", **kwargs):
+    """A stock TRL ``SFTConfig`` carrying what it can express of a preset on this machine: the same as
+    :func:`training_arguments`, plus TRL's own fields (``padding_free`` where TRL accepts it, ``packing``,
+    ``pad_to_multiple_of``). The model-level features are logged; ``SpeedupSFTTrainer`` applies them."""
+    try:
+        from trl import SFTConfig
+    except ImportError as exc:  # pragma: no cover - exercised where trl is missing
+        raise ImportError("sft_config needs TRL: pip install 'hf_speedup[trl]' (or pip install trl)") from exc
+    return _stock_args(SFTConfig, preset, kwargs)
+
+
+def _stock_args(args_cls, preset: Any, kwargs: dict):
+    check(launch_problems())  # before the arguments start torch.distributed
+    explicit = frozenset(kwargs)  # the caller's choices, even those equal to a field's default
     kwargs.setdefault("output_dir", "trainer_output")
-    args = TrainingArguments(**kwargs)
+    args = args_cls(**kwargs)
     plan = build_plan(preset, args=args)
+    name = plan.config.name
     overrides: dict = {}
     for feature in FEATURES:
         decision = plan[feature.NAME]
@@ -34,7 +56,29 @@ def training_arguments(preset: Any = "auto", **kwargs):
         if hasattr(feature, "stock_trainer_args"):
             wanted = {**wanted, **feature.stock_trainer_args(decision, args)}
         overrides.update({k: v for k, v in wanted.items() if k not in kwargs})
-        if feature.NAME in MODEL_LEVEL and decision.active and not wanted:
-            logger.warning("hf_speedup: %s=%r changes the model itself and cannot be expressed in "
-                           "TrainingArguments; use SpeedupTrainer for it", feature.NAME, decision.applied)
-    return replace_args(args, overrides)
+        for k, v in wanted.items():
+            if k in kwargs and kwargs[k] != v:
+                logger.info("hf_speedup: %s: kept your %s=%r over the %r of preset %r (an explicit argument "
+                            "wins)", args_cls.__name__, k, kwargs[k], v, name)
+        if feature.NAME in MODEL_LEVEL and _changes_model(feature.NAME, decision, plan) and not wanted:
+            logger.warning("hf_speedup: preset %r: %s=%r changes the model itself and cannot be expressed in %s: "
+                           "dropped here; use SpeedupTrainer (or SpeedupMixin) for it", name, feature.NAME,
+                           decision.applied if decision.active else decision.requested, args_cls.__name__)
+        if feature.NAME in TRAINER_LEVEL and decision.active:
+            logger.warning("hf_speedup: preset %r: %s=%r needs SpeedupTrainer's train() and cannot be expressed in "
+                           "%s: dropped here (the stock Trainer keeps the default signal actions)", name,
+                           feature.NAME, decision.applied, args_cls.__name__)
+    out = replace_args(args, overrides)
+    setattr(out, EXPLICIT_ARGS_ATTR, explicit)  # SpeedupTrainer keeps these over a preset's loader choices
+    return out
+
+
+def _changes_model(name: str, decision, plan) -> bool:
+    """Whether SpeedupTrainer would change the model for this feature. Planned without a model, regional
+    compile reads "no block found"; what it would do for a model with blocks is what the config asks."""
+    if decision.active:
+        return True
+    if name == "compile":
+        asked = plan.config.compile.enabled
+        return asked is True or (asked == "auto" and plan.caps.is_cuda)
+    return False

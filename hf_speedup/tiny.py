@@ -106,3 +106,28 @@ def causal_lm_collator(tokenizer, pad_to_multiple_of: int | None = None):
     from transformers import DataCollatorForLanguageModeling
 
     return DataCollatorForLanguageModeling(tokenizer, mlm=False, pad_to_multiple_of=pad_to_multiple_of)
+
+
+# A chat template the character tokenizer can spell: "u:<question>|a:<answer>|" per turn.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'][0] }}:{{ message['content'] }}|{% endfor %}"
+                 "{% if add_generation_prompt %}a:{% endif %}")
+
+
+def chat_tokenizer():
+    """:func:`char_tokenizer` with :data:`CHAT_TEMPLATE`, for chat-format (``messages``) data sets."""
+    tok = char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def chat_dataset(n: int = 512, seed: int = 0):
+    """A ``datasets.Dataset`` of ``messages`` (user asks, assistant answers): arithmetic and reversal questions,
+    ragged in length (a few characters to a few dozen), learnable in a few dozen steps."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for a, r in zip(arithmetic_examples(n, seed), reverse_examples(n, seed + 1, length=(2, 40))):
+        question, answer = (a if rng.random() < 0.5 else r).replace(">", "=").split("=", 1)
+        rows.append([{"role": "user", "content": f"{question}?"}, {"role": "assistant", "content": answer}])
+    return Dataset.from_dict({"messages": rows[:n]})

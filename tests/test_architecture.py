@@ -15,17 +15,20 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_speedup"
 
 # Lowest first. A module may import its own layer or lower ones; within a layer the graph must be acyclic.
 LAYERS: list[tuple[str, ...]] = [
-    ("_version", "compat", "dtypes", "blocks", "tiny", "cpu_allocator", "peak_flops", "gguf"),  # leaves: shims and helpers
+    ("_version", "compat", "dtypes", "blocks", "tiny", "cpu_allocator", "peak_flops", "gguf",
+     "credentials"),  # leaves: shims and helpers
     ("config",),  # the request
     ("presets",),  # named requests
     ("hardware",),  # Capabilities
-    ("model_info",),  # what the plan may know of a model
+    ("model_info", "model_shape", "memory_model"),  # what the plan may know of a model; memory formulas
     ("plan_types",),  # Decision, Outcome, Plan
     ("features",),  # one module (or package) per acceleration
     ("plan",),  # build_plan: orders the features' decisions
-    ("stock", "loading", "accelerate_config"),  # what a plan means outside SpeedupTrainer
+    ("stock", "loading", "accelerate_config", "inputs", "estimate"),  # what a plan means outside SpeedupTrainer; input checks
     ("report",),  # the report's schema, collection and sinks
     ("trainer",),  # SpeedupTrainer: composes plan, features and report
+    ("bench",),  # hf-speedup bench: presets against the peers, one worker process per variant
+    ("trl_support",),  # SpeedupSFTTrainer: the mixin on TRL's SFTTrainer (imports trl)
     ("cli", "demo", "__init__"),  # entry points
 ]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}

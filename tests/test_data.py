@@ -129,9 +129,12 @@ def test_tokenizer_only_gets_the_trainers_default_collator_with_padding(tiny_mod
     assert trainer.speedup_status["data"].engaged is True
 
 
-def test_no_collator_and_no_tokenizer_is_reported_not_engaged(tiny_model, dataset, make_args):
+def test_no_collator_and_no_tokenizer_is_reported_not_engaged(tiny_model, make_args):
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"input_ids": [[5] * 12] * 8, "attention_mask": [[1] * 12] * 8})  # stackable as they are
     cfg = get_preset("baseline").replace(data={"pad_to_multiple_of": 8})
-    trainer = SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, speedup=cfg)
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=rows, speedup=cfg)
     d = trainer.speedup_status["data"]
     assert d.engaged is False and d.applied == "off"
     assert "no collator to pad" in d.fallbacks[0] and "no collator to pad" in d.engaged_reason

@@ -12,10 +12,15 @@ Every feature module defines:
 - ``apply(decision, setup: Setup, outcome: Outcome) -> None``: changes ``setup.model``/``setup.data_collator``;
   a no-op when the decision is off; what it had to do differently is recorded in ``outcome``;
 - ``verify(decision, trainer, outcome) -> (engaged, reason)``: inspects the real objects after setup
-  (facts worth reporting go to ``outcome.facts``).
+  (facts worth reporting go to ``outcome.facts``);
+- optionally ``callbacks(decision, trainer, outcome) -> list[TrainerCallback]``: for features that act
+  during training (``profile``, ``interrupt``); SpeedupTrainer registers them before its report collector.
 
 The order below is the order of decisions and of application (LoRA wraps before blocks are
-checkpointed and compiled; FSDP decides before checkpointing so it is done only once).
+checkpointed and compiled; FSDP decides before checkpointing so it is done only once; the chunked loss
+reads the compile and FSDP decisions; profile comes last so it labels the loss function finally in place;
+data decides before attention and compile: padding-free rows choose the kernel and a dynamic sequence dimension;
+liger before loss: Liger's fused cross-entropy, where on, keeps the chunked loss out).
 
 Adding an acceleration: a module here with that surface, its section in ``config.py``, and its name in
 ``FEATURES``; the trainer, the report and the CLI pick it up from there.
@@ -26,9 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import checkpointing, compile, data, fsdp, lora, memory, optimizer, precision
+from . import (attention, checkpointing, compile, data, fsdp, interrupt, liger, lora, loss, memory, optimizer,
+               precision, profile)
 
-FEATURES = (precision, lora, fsdp, checkpointing, compile, optimizer, memory, data)
+FEATURES = (precision, lora, fsdp, checkpointing, data, attention, compile, optimizer, memory, liger, loss, profile,
+            interrupt)
 
 
 @dataclass
@@ -39,3 +46,5 @@ class Setup:
     args: Any  # the user's TrainingArguments, read-only: changes go through ``training_args``
     data_collator: Any = None
     processing_class: Any = None
+    trainer_builds_collator: bool = False  # a Trainer subclass (TRL's) makes its own collator when given none
+    train_dataset: Any = None  # read-only: what the data feature checks its loader settings against

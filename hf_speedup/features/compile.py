@@ -85,7 +85,10 @@ def decide(ctx: PlanContext) -> Decision:
     if requested == "auto" and not caps.is_cuda:
         return _off(requested, f"auto: off on {caps.device_type} (a cold compile costs tens of seconds for small "
                     "gains here); use preset 'fast' for compiled blocks on CPU", settings)
-    settings = replace(settings, cpu_gemm="autotune" if _autotunes_cpu_gemms(cfg, caps) else "default")
+    if _padding_free(ctx) and settings.dynamic is not True:
+        settings = replace(settings, dynamic=True)  # one graph for every row length (see _on_reason)
+    autotune = _autotunes_cpu_gemms(cfg, caps) and settings.dynamic is not True
+    settings = replace(settings, cpu_gemm="autotune" if autotune else "default")
     return Decision(NAME, requested=requested, applied=f"{cfg.regions}:{cfg.backend}",
                     reason=_on_reason(ctx, settings), settings=settings)
 
@@ -106,10 +109,21 @@ def _on_reason(ctx: PlanContext, s: Settings) -> str:
     if s.cpu_gemm == "autotune":
         parts.append("max-autotune on CPU: each GEMM shape runs on MKL or oneDNN, whichever is faster here "
                      "(inductor's own GEMM templates need frozen weights, so they cannot serve training)")
-    if s.dynamic is False and not ctx.config.data.pad_to_multiple_of:
+    if _padding_free(ctx):
+        parts.append(f"padding-free rows change length every step: the sequence dimension is compiled dynamic "
+                     f"(dynamic={ctx.config.compile.dynamic} asked), one graph for every length instead of a "
+                     "recompile per length; measured faster than bucketing row lengths (benchmarks/RESULTS.md)")
+        if _autotunes_cpu_gemms(ctx.config.compile, ctx.caps):
+            parts.append("CPU GEMM autotune off: symbolic GEMM sizes have no single shape to time")
+    elif s.dynamic is False and not ctx.config.data.pad_to_multiple_of:
         parts.append("dynamic=False without data.pad_to_multiple_of: each new sequence length recompiles "
                      "(after torch._dynamo's recompile_limit that region runs eager)")
     return "; ".join(parts)
+
+
+def _padding_free(ctx: PlanContext) -> bool:
+    data = ctx.decisions.get("data")
+    return bool(data is not None and getattr(data.settings, "padding_free", False))
 
 
 def _autotunes_cpu_gemms(cfg, caps) -> bool:

@@ -1,6 +1,13 @@
-"""Input pipeline: pad batches to a multiple of N (stable shapes, fewer recompiles, tensor-core friendly
-sizes) and the DataLoader knobs (workers, pinning, prefetch, persistent workers, dropping the last partial
-batch) via TrainingArguments.
+"""Input pipeline: padding-free batches (see :mod:`.padding_free`), or padding to a multiple of N (stable
+shapes, fewer recompiles, tensor-core friendly sizes), and the DataLoader knobs (workers, pinning, prefetch,
+persistent workers, dropping the last partial batch) via TrainingArguments.
+
+``data.padding_free`` (``auto`` in the auto and fast presets): where the model keeps packed sequences apart,
+the collator becomes a flattening one and the model's decoder gets the ``use_cache`` guard. A trainer that
+builds its own collator and has a ``padding_free`` argument (TRL's ``SFTConfig``) is asked to do it itself,
+so its collator and data preparation stay its own. Where neither can happen, the batch keeps its padding
+and the reason is reported. With padding-free rows ``pad_to_multiple_of`` is not applied (there is no
+padding to round up; under compile the sequence dimension is dynamic instead).
 
 Every ``data.*`` field left ``None`` keeps the user's TrainingArguments / collator untouched, so the
 ``baseline`` preset changes nothing. Padding is applied to the collator:
@@ -11,6 +18,13 @@ Every ``data.*`` field left ``None`` keeps the user's TrainingArguments / collat
   ``DataCollatorWithPadding(tokenizer)``, so we build exactly that with ``pad_to_multiple_of=N`` (never a
   collator of another kind: for causal LM that default adds no labels, and we must not change that);
 - otherwise (plain function, ``default_data_collator``) padding cannot be applied: reported, not engaged.
+
+Loader settings and your own TrainingArguments: for the two settings presets choose (``pin_memory``,
+``drop_last``) a TrainingArguments value you set wins over the config and the reason says so. TrainingArguments
+keep no record of which arguments were passed, so a value counts as yours when it differs from the field's
+default, or when ``hf_speedup.training_arguments()`` was given it; a default-valued one is replaced and the
+reason names it. The plan's ``drop_last=True`` is withdrawn (a reported fallback) where the training set makes
+it wrong: fewer rows than one batch (no step at all), or an IterableDataset (the Trainer ignores it there).
 
 Engagement rule: ``engaged`` is True iff every part applied (padding, loader settings) is verified on the
 trainer's ``data_collator`` and ``args``; parts that could not apply are listed in ``fallbacks``.
@@ -25,6 +39,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..plan_types import Decision, Outcome, PlanContext
+from . import padding_free as pf
 
 NAME = "data"
 logger = logging.getLogger("hf_speedup")
@@ -40,8 +55,11 @@ ARG_FIELDS = {  # settings key -> TrainingArguments field
 
 @dataclass(frozen=True)
 class Settings:
-    pad_to_multiple_of: int | None = None  # applied to the collator
+    pad_to_multiple_of: int | None = None  # applied to the collator (without padding-free rows, or where they fell back)
     loader: Mapping[str, Any] = field(default_factory=dict)  # ARG_FIELDS key -> value set in TrainingArguments
+    padding_free: bool = False
+    padding_free_via: str | None = None  # "collator" (ours) | "trainer" (its own padding_free argument)
+    packing: bool | None = None  # TRL's SFTConfig.packing, where the trainer's arguments have it
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loader", MappingProxyType(dict(self.loader)))
@@ -58,7 +76,9 @@ def _loader(s, caps, args) -> tuple[dict, list[str], list[str]]:
             note += f"; on CPU they compete with the {caps.cpu_threads} training thread(s)"
         reasons.append(f"{s.num_workers} loader worker(s){note}")
     workers = s.num_workers if s.num_workers is not None else getattr(args, "dataloader_num_workers", 0) or 0
-    if s.pin_memory is True and caps.device_type != "cuda":
+    if s.pin_memory is not None and _kept_users_choice("pin_memory", s.pin_memory, args, reasons):
+        pass
+    elif s.pin_memory is True and caps.device_type != "cuda":
         # set it off explicitly: TrainingArguments pins by default, which only warns without a GPU
         out["pin_memory"] = False
         fallbacks.append(f"pin_memory: pinned host memory only speeds host-to-GPU copies; off on {caps.device_type}")
@@ -77,11 +97,12 @@ def _loader(s, caps, args) -> tuple[dict, list[str], list[str]]:
             continue
         out[key] = value
         reasons.append(f"{key}={value}")
-    if s.drop_last is not None:
+    if s.drop_last is not None and not _kept_users_choice("drop_last", s.drop_last, args, reasons):
         out["drop_last"] = s.drop_last
         reasons.append("drop each epoch's last partial batch: under static-shape compile it would compile every "
                        "region again for one step (up to batch_size-1 samples per epoch are skipped, different "
                        "ones each epoch when shuffled)" if s.drop_last else "keep each epoch's last partial batch")
+        reasons[-1] += _replaced_note("drop_last", s.drop_last, args)
     if s.num_workers == 0 and args is not None:  # the user's worker-only settings would now be invalid
         if getattr(args, "dataloader_prefetch_factor", None) is not None:
             out["prefetch_factor"] = None
@@ -92,17 +113,116 @@ def _loader(s, caps, args) -> tuple[dict, list[str], list[str]]:
     return out, reasons, fallbacks
 
 
+# The names ``hf_speedup.training_arguments(**kwargs)`` was given are recorded on the TrainingArguments it
+# returns: the caller's explicit choices, even where a value equals the field's default.
+EXPLICIT_ARGS_ATTR = "hf_speedup_explicit"
+# The loader settings presets choose. Where your TrainingArguments chose otherwise, yours are kept; the other
+# data.* loader fields are set by no preset, so a value for them in the config is your choice and is applied.
+PRESET_LOADER_KEYS = ("pin_memory", "drop_last")
+
+
+def users_choice(args, field_name: str) -> tuple[bool, Any]:
+    """(explicit, value) of a TrainingArguments field.
+
+    TrainingArguments keeps no record of which arguments were passed, so a value counts as the user's
+    explicit choice when it differs from the field's default (or was given to ``training_arguments()``);
+    a value equal to the default cannot be told apart from "not set" and reads as not set.
+    """
+    import dataclasses
+
+    if args is None or not dataclasses.is_dataclass(args):
+        return False, None
+    value = getattr(args, field_name, None)
+    if field_name in getattr(args, EXPLICIT_ARGS_ATTR, ()):
+        return True, value
+    for f in dataclasses.fields(args):
+        if f.name == field_name:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            return value != default, value
+    return False, value
+
+
+def _kept_users_choice(key: str, wanted: Any, args, reasons: list[str]) -> bool:
+    """True (and why, in ``reasons``) where the user's explicit TrainingArguments value wins over the config's."""
+    name = ARG_FIELDS[key]
+    explicit, have = users_choice(args, name)
+    if key not in PRESET_LOADER_KEYS or not explicit or have == wanted:
+        return False
+    reasons.append(f"{key}: kept your TrainingArguments.{name}={have!r} over the config's {key}={wanted!r} (an "
+                   f"explicit TrainingArguments choice wins over a preset)")
+    logger.info("hf_speedup data: %s", reasons[-1])
+    return True
+
+
+def _replaced_note(key: str, wanted: Any, args) -> str:
+    """Where the config replaces a TrainingArguments value that only reads as unset, say so and how to keep it."""
+    name = ARG_FIELDS[key]
+    explicit, have = users_choice(args, name)
+    if args is None or have == wanted or explicit:
+        return ""
+    return (f" (replaces TrainingArguments.{name}={have!r}, its default, which cannot be told apart from not set; "
+            f"to keep it set data.{key}: {str(have).lower()} in the config)")
+
+
+def _args_have(args, name: str) -> bool:
+    import dataclasses
+
+    return args is not None and dataclasses.is_dataclass(args) and any(
+        f.name == name for f in dataclasses.fields(args))
+
+
+def _padding_free(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
+    """(how: "collator" | "trainer" | None, reason, fallbacks) for ``data.padding_free``."""
+    asked, info, args = ctx.config.data.padding_free, ctx.model, ctx.args
+    if asked is False:
+        return None, "", []
+    explicit = asked is True
+    if info is not None and not info.packed_sequences:
+        why = f"padding_free: {info.packed_reason}; batches keep their padding"
+        return None, why, [why] if explicit else []
+    batch = getattr(args, "per_device_train_batch_size", None)
+    if batch == 1 and not explicit:
+        return None, "padding_free: auto: one sequence per batch has no padding to remove", []
+    if _args_have(args, "padding_free"):  # TRL: the trainer builds the collator and prepares the data
+        max_length, packing = getattr(args, "max_length", None), getattr(args, "packing", False)
+        if max_length is not None and not packing and ctx.config.data.packing is not True:
+            why = (f"padding_free: {type(args).__name__}(max_length={max_length}, packing=False): TRL refuses "
+                   "padding_free there (it would not enforce max_length); set max_length=None once the data is "
+                   "truncated, or packing=True; batches keep their padding")
+            return None, why, [why]
+        return "trainer", (f"padding-free rows: {type(args).__name__}.padding_free=True (the trainer's own "
+                           "collator flattens each batch into one row, position_ids restart per sequence)"), []
+    return "collator", ("padding-free rows: each batch becomes one row of its sequences (position_ids restart per "
+                        "sequence, no attention_mask, no padding token computed); same per-sequence logits and "
+                        "loss as padded batches"), []
+
+
 def decide(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.data, ctx.caps
     loader, reasons, fallbacks = _loader(s, caps, ctx.args)
-    settings = Settings(pad_to_multiple_of=s.pad_to_multiple_of or None, loader=loader)
-    if s.pad_to_multiple_of:
+    via, pf_reason, pf_fallbacks = _padding_free(ctx)
+    fallbacks = pf_fallbacks + fallbacks
+    packing = s.packing if s.packing is not None and _args_have(ctx.args, "packing") else None
+    if s.packing is not None and packing is None:
+        fallbacks.append(f"packing={s.packing}: only trainers with a packing argument (TRL's SFTConfig) pack "
+                         "examples; use padding_free with this trainer")
+    settings = Settings(pad_to_multiple_of=s.pad_to_multiple_of or None, loader=loader,
+                        padding_free=via is not None, padding_free_via=via, packing=packing)
+    if s.pad_to_multiple_of and via is None:
         reasons.insert(0, f"pad batches to a multiple of {s.pad_to_multiple_of}: fewer distinct shapes (fewer "
                           "recompiles), tensor-core friendly sizes (applied to the collator)")
+    if via is not None:
+        reasons.insert(0, pf_reason + (f"; pad_to_multiple_of={s.pad_to_multiple_of} not applied (no padding)"
+                                       if s.pad_to_multiple_of else ""))
+    elif pf_reason and not pf_fallbacks:
+        reasons.append(pf_reason)
+    if packing is not None:
+        reasons.append(f"{type(ctx.args).__name__}.packing={packing}")
     for fb in fallbacks:
         logger.warning("hf_speedup data fallback: %s", fb)
-    requested = _summary({k: v for k, v in vars(s).items() if v is not None})
-    applied = _summary({"pad_to_multiple_of": settings.pad_to_multiple_of, **loader})
+    requested = _summary({k: v for k, v in vars(s).items() if v is not None and v is not False})
+    applied = _summary({"padding_free": {"collator": True, "trainer": "trainer"}.get(via), "pad_to_multiple_of": None if via else settings.pad_to_multiple_of, **loader,
+                        "packing": packing})
     reason = "; ".join(reasons) or ("not requested: TrainingArguments' loader settings and collator kept"
                                     if not fallbacks else "nothing applicable")
     return Decision(NAME, requested=requested, applied=applied, reason=reason, settings=settings,
@@ -110,16 +230,26 @@ def decide(ctx: PlanContext) -> Decision:
 
 
 def _summary(settings: dict) -> str:
-    settings = {k: v for k, v in settings.items() if k != "pad_to_multiple_of" or v}
+    settings = {k: v for k, v in settings.items() if k not in ("pad_to_multiple_of", "padding_free", "packing") or v
+                or (k == "packing" and v is False)}
     short = {"pad_to_multiple_of": "pad", "num_workers": "workers", "pin_memory": "pin",
-             "prefetch_factor": "prefetch", "persistent_workers": "persistent", "drop_last": "drop_last"}
-    return ",".join(f"{short[k]}={v}" for k, v in settings.items()) or "off"
+             "prefetch_factor": "prefetch", "persistent_workers": "persistent", "drop_last": "drop_last",
+             "padding_free": "padding_free", "packing": "packing"}
+    return ",".join(short[k] if k == "padding_free" and v is True else f"{short[k]}={v}"
+                    for k, v in settings.items()) or "off"
 
 
 # --------------------------------------------------------------------------------------------- apply
 def training_args(decision: Decision, args) -> dict:
-    loader = decision.settings.loader
-    return {field: loader[key] for key, field in ARG_FIELDS.items() if key in loader}
+    st = decision.settings
+    out = {field: st.loader[key] for key, field in ARG_FIELDS.items() if key in st.loader}
+    if st.padding_free_via == "trainer":
+        out["padding_free"] = True
+    if st.packing is not None:
+        out["packing"] = st.packing
+    if st.pad_to_multiple_of and not st.padding_free and _args_have(args, "padding_free"):  # TRL pads itself
+        out["pad_to_multiple_of"] = st.pad_to_multiple_of
+    return out
 
 
 def _is_default_padding_target(processing_class) -> bool:
@@ -151,9 +281,98 @@ def padded_collator(collator, processing_class, multiple: int):
     return new, note + (f" (was {current})" if current else "")
 
 
+def _apply_padding_free(decision: Decision, setup, outcome: Outcome) -> bool:
+    """Flatten the collator (or leave it to the trainer) and guard the model; False where it could not."""
+    st = decision.settings
+    own = getattr(setup, "trainer_builds_collator", False)
+    if st.padding_free_via == "trainer" and setup.data_collator is None:
+        note = "the trainer's own collator makes padding-free rows (padding_free=True)"
+    else:
+        collator, note = pf.flattening_collator(setup.data_collator, setup.processing_class, own)
+        if collator is None:
+            outcome.fallbacks.append(f"padding_free: {note}; batches keep their padding")
+            logger.warning("hf_speedup data fallback: padding_free: %s", note)
+            return False
+        setup.data_collator = collator
+        if st.padding_free_via == "trainer":  # a user collator: the trainer must not be asked to flatten too
+            outcome.facts.setdefault("withdrawn_args", []).append("padding_free")
+            note += " (your collator, flattened; the trainer's padding_free left off: it refuses custom collators)"
+    outcome.facts["padding_free"] = note
+    if setup.model is not None and not isinstance(setup.model, str):
+        outcome.facts["use_cache_guard"] = pf.guard_use_cache(setup.model)
+    return True
+
+
 def apply(decision: Decision, setup, outcome: Outcome) -> None:
-    multiple = decision.settings.pad_to_multiple_of
+    _apply_collator(decision, setup, outcome)
+    _withdraw_drop_last(decision, setup, outcome)
+
+
+def _withdraw_drop_last(decision: Decision, setup, outcome: Outcome) -> None:
+    """The plan's drop_last=True, withdrawn (a reported fallback) where this training set makes it wrong:
+    fewer rows than one batch (the run would take no step at all), or an IterableDataset (the Trainer does
+    not pass drop_last to its loader: the last partial batch comes anyway)."""
+    if decision.settings.loader.get("drop_last") is not True:
+        return
+    why = drop_last_problem(getattr(setup, "train_dataset", None), setup.args)
+    if why is None:
+        return
+    outcome.facts.setdefault("withdrawn_args", []).append(ARG_FIELDS["drop_last"])
+    outcome.fallbacks.append(f"drop_last=True: {why}; the last partial batch is kept")
+    outcome.applied = ",".join(p for p in (outcome.applied or decision.applied).split(",")
+                               if not p.startswith("drop_last=")) or "off"
+    logger.warning("hf_speedup data fallback: drop_last=True: %s; the last partial batch is kept", why)
+
+
+def global_batch(args) -> tuple[int, int]:
+    """(rows per optimizer micro-step over all processes, processes), without initialising torch.distributed."""
+    import os
+
+    try:
+        world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        world = 1
+    return int(getattr(args, "per_device_train_batch_size", 8) or 8) * world, world
+
+
+def drop_last_problem(dataset, args) -> str | None:
+    """Why dropping the last partial batch is wrong for ``dataset`` (None where it is fine or unknown)."""
+    import torch
+
+    if dataset is None:
+        return None
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return ("the training set is an IterableDataset: the Trainer passes drop_last only to map-style datasets' "
+                "loaders")
+    try:
+        rows = len(dataset)
+    except TypeError:
+        return None
+    batch, world = global_batch(args)
+    if 0 < rows < batch:
+        return (f"the training set has {rows} row(s), fewer than one batch ({batch // world} per device x {world} "
+                "process(es)): every row would be dropped and training would take no step")
+    return None
+
+
+def _apply_collator(decision: Decision, setup, outcome: Outcome) -> None:
+    st = decision.settings
+    if st.padding_free:
+        if _apply_padding_free(decision, setup, outcome):
+            return
+        outcome.applied = _summary({"pad_to_multiple_of": st.pad_to_multiple_of, **st.loader})  # padded after all
+    multiple = st.pad_to_multiple_of
     if not multiple:
+        return
+    if getattr(setup, "trainer_builds_collator", False) and setup.data_collator is None:
+        if _args_have(setup.args, "padding_free"):  # TRL: training_args passes pad_to_multiple_of to its collator
+            outcome.facts["padded"] = True
+            outcome.facts["collator_note"] = (f"{type(setup.args).__name__}.pad_to_multiple_of={multiple} (the "
+                                              "trainer's own collator pads)")
+        else:
+            note = "the trainer class builds its own collator (none was given); it is left as it is"
+            outcome.fallbacks.append(f"pad_to_multiple_of={multiple}: {note}")
+            outcome.applied = _summary(dict(st.loader))
         return
     collator, note = padded_collator(setup.data_collator, setup.processing_class, multiple)
     outcome.facts["collator_note"] = note
@@ -167,9 +386,27 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
 
 
 # --------------------------------------------------------------------------------------------- verify
+def _verify_padding_free(st: Settings, trainer) -> tuple[bool, str]:
+    """The live collator really makes padding-free rows (a probe batch) and the live model is guarded."""
+    collator = trainer.data_collator
+    flattens = pf.is_flattening(collator)
+    good, note = pf.probe(collator) if flattens else (False, "it does not flatten batches")
+    guarded = pf.use_cache_guarded(trainer.model)
+    text = (f"padding-free: {type(collator).__name__}: {note}; use_cache guard on the decoder: "
+            f"{'yes' if guarded else 'MISSING'}")
+    if st.padding_free_via == "trainer" and "padding_free" in getattr(trainer.args, "__dataclass_fields__", {}):
+        text += f"; args.padding_free={trainer.args.padding_free}"
+    return good and guarded, text
+
+
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     st = decision.settings
     parts, ok, applied = [], True, False
+    if st.padding_free and outcome.facts.get("padding_free"):
+        applied = True
+        good, text = _verify_padding_free(st, trainer)
+        ok = ok and good
+        parts.append(text)
     multiple = st.pad_to_multiple_of if outcome.facts.get("padded") else None
     if multiple:
         applied = True
@@ -178,8 +415,9 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         ok = ok and good
         parts.append(f"{type(trainer.data_collator).__name__}.pad_to_multiple_of={have}"
                      + ("" if good else f" - MISMATCH: planned a multiple of {multiple}"))
+    withdrawn = set(outcome.facts.get("withdrawn_args", ()))
     for key, field_name in ARG_FIELDS.items():
-        if key not in st.loader:
+        if key not in st.loader or field_name in withdrawn:
             continue
         applied = True
         want = st.loader[key]

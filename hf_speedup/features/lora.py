@@ -2,9 +2,10 @@
 
 Target modules (``lora.target_modules``):
 
-- ``auto``: every Linear inside the repeated decoder block (for Llama q, k, v, o, gate, up, down —
-  the QLoRA paper's finding that adapting all projections matches full fine-tuning; peft's own
-  default mapping only adapts q and v). peft's mapping is used only where no block is found.
+- ``auto``: every linear layer (``nn.Linear``, or transformers' ``Conv1D`` as in GPT-2) inside the repeated
+  decoder block (for Llama q, k, v, o, gate, up, down — the QLoRA paper's finding that adapting all
+  projections matches full fine-tuning; peft's own default mapping only adapts q and v). peft's mapping is
+  used only where no block is found.
 - ``all-linear``: peft's own rule (every Linear but the output head); or an explicit list.
 
 QLoRA (``quantization: 4bit``) needs a 4-bit NF4 base, and quantization happens **at load time**
@@ -15,9 +16,10 @@ here, or the model given is not quantized — the plan falls back to plain LoRA,
 fallback over an error for the unquantized model so ``speedup="qlora"`` runs anywhere, the way it
 does on a CPU; ``strict`` is the switch for "I need the memory saving or nothing".
 
-A model that already is a PeftModel keeps its adapters (reported, never wrapped twice). A model
-loaded from a GGUF file is trainable once its stale quantizer flag is cleared (see
-:func:`hf_speedup.gguf.clear_stale_gguf_quantizer`).
+A model that is not a transformers causal LM (a plain ``nn.Module``, an encoder) gets peft's generic
+PeftModel (its own forward and loss). A model that already is a PeftModel keeps its adapters (reported,
+never wrapped twice). A model loaded from a GGUF file is trainable once its stale quantizer flag is cleared
+(see :func:`hf_speedup.gguf.clear_stale_gguf_quantizer`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import nn
 from ..blocks import find_blocks
 from ..config import SpeedupConfigError
 from ..gguf import clear_stale_gguf_quantizer
-from ..model_info import parameter_counts, quantization_of
+from ..model_info import is_linear_layer, parameter_counts, quantization_of
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "lora"
@@ -60,12 +62,14 @@ def resolve_targets(ctx: PlanContext) -> tuple[list[str] | str, str]:
         return (list(asked) if isinstance(asked, (list, tuple)) else asked), "as configured"
     info = ctx.model
     if info is not None and info.linear_names:
-        return list(info.linear_names), f"every Linear in the repeated {info.block_class}"
+        return list(info.linear_names), f"every linear layer in the repeated {info.block_class}"
     if info is not None:
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_MAP
 
         if info.model_type in PEFT_MAP:
             return list(PEFT_MAP[info.model_type]), f"peft's default for model_type {info.model_type!r}"
+    if info is not None and info.model_type == "unknown":  # not a transformers model: peft sees no output head
+        return "all-linear", "peft's all-linear (every linear layer: this model has no transformers config naming its head)"
     return "all-linear", "peft's all-linear (every Linear but the output head)"
 
 
@@ -151,9 +155,9 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
     if not decision.active:
         return
     model = setup.model
-    if model is None:
-        logger.warning("hf_speedup: LoRA not applied: no model (model_init is not supported)")
-        return
+    if model is None:  # SpeedupTrainer builds the first model of a model_init itself: only direct callers get here
+        raise SpeedupConfigError(["lora: there is no model to adapt (model=None); fix: pass model=... or "
+                                  "model_init=... to SpeedupTrainer"])
     note = clear_stale_gguf_quantizer(model)
     if note:
         outcome.facts["gguf"] = note
@@ -164,35 +168,66 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
 
     targets = decision.settings.target_modules
     targets = targets if isinstance(targets, str) else list(targets)
-    _check_targets(model, targets)
+    matched = _check_targets(model, targets)
     if quantization_of(model) in ("4bit", "8bit"):
         # Checkpointing is the checkpointing feature's job (applied next, per block, non-reentrant):
         # peft's own switch would enable it on every block, reentrant, a second time.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     st = decision.settings
+    task_type, task_note = _task_type(model)
+    if task_note:
+        outcome.notes.append(task_note)
+    # Conv1D (GPT-2) stores its weight transposed: peft must be told, or it warns and flips it per layer
+    fan_in_fan_out = bool(matched) and all(type(m).__name__ == "Conv1D" for m in matched)
     config = LoraConfig(r=st.r, lora_alpha=st.alpha, lora_dropout=st.dropout, target_modules=targets, bias="none",
-                        task_type="CAUSAL_LM")
-    setup.model = get_peft_model(model, config)
+                        task_type=task_type, fan_in_fan_out=fan_in_fan_out)
+    try:
+        setup.model = get_peft_model(model, config)
+    except ValueError as exc:  # peft's "Target modules ... not found" and the like: name the field and the fix
+        raise SpeedupConfigError([
+            f"lora.target_modules = {targets!r}: peft could not adapt this {type(model).__name__} ({exc}); allowed: "
+            f"the names of its linear layers {sorted(_linear_leaves(model))}; fix: set lora.target_modules: "
+            "[names] from that list"]) from None
     logger.info("hf_speedup: LoRA (%s) on %s", decision.applied, _fmt(targets))
 
 
-def _check_targets(model, targets) -> None:
-    """Every configured name must match a Linear of this model (peft's own error names no fix)."""
+def _task_type(model) -> tuple[str | None, str]:
+    """peft's task type for this model: a causal LM gets PeftModelForCausalLM; any other module (a plain
+    ``nn.Module``, an encoder) the generic PeftModel, whose forward is the model's own."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "SEQ_2_SEQ_LM", ""
+    if callable(getattr(model, "prepare_inputs_for_generation", None)):
+        return "CAUSAL_LM", ""
+    return None, (f"{type(model).__name__} is not a transformers causal LM: adapters added through peft's generic "
+                  "PeftModel (the model's own forward and loss)")
+
+
+def _linear_leaves(model) -> set[str]:
+    return {n.split(".")[-1] for n, m in model.named_modules() if n and is_linear_layer(m)}
+
+
+def _check_targets(model, targets) -> list:
+    """Every configured name must match a linear layer of this model (peft's own error names no fix).
+
+    Returns the matched layers (all linear layers for a rule such as ``all-linear``)."""
+    layers = [(n, m) for n, m in model.named_modules() if n and is_linear_layer(m)]
     if isinstance(targets, str):
-        return
-    names = [n for n, m in model.named_modules() if _is_linear(m)]
-    leaves = {n.split(".")[-1] for n in names}
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]  # peft's suffix rule
+        if not layers:
+            raise SpeedupConfigError([
+                f"lora.target_modules = {targets!r}: this {type(model).__name__} has no linear layer (nn.Linear, "
+                "transformers Conv1D) for LoRA to adapt; fix: set lora.enabled: false (full fine-tuning), or pass "
+                "a model with linear projections"])
+        return [m for _, m in layers]
+    leaves = sorted({n.split(".")[-1] for n, _ in layers})
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n, _ in layers)]  # peft's suffix rule
     if missing:
         raise SpeedupConfigError([
-            f"lora.target_modules = {list(targets)!r}: {missing} match no Linear layer of this "
-            f"{type(model).__name__}; allowed: {sorted(leaves)}, 'auto' or 'all-linear'; fix: set "
-            "lora.target_modules: auto"
+            f"lora.target_modules = {list(targets)!r}: {missing} match no Linear layer (nn.Linear, transformers "
+            f"Conv1D) of this {type(model).__name__}; allowed: {leaves}, 'auto' or 'all-linear'; fix: set "
+            "lora.target_modules: auto, or names from that list"
         ])
-
-
-def _is_linear(m) -> bool:
-    return isinstance(m, nn.Linear) or type(m).__name__ in ("Linear4bit", "Linear8bitLt")
+    return [m for n, m in layers if any(n == t or n.endswith("." + t) for t in targets)]
 
 
 # ----------------------------------------------------------------------------------------- verify
@@ -211,7 +246,7 @@ def unwrapped_targets(model, targets) -> list[str]:
     for block in find_blocks(model):
         wrapped = [n for n, m in block.named_modules() if isinstance(m, LoraLayer)]
         for n, m in block.named_modules():
-            if not _is_linear(m) or any(n == w or n.startswith(w + ".") for w in wrapped):
+            if not is_linear_layer(m) or any(n == w or n.startswith(w + ".") for w in wrapped):
                 continue
             if targets == "all-linear" or any(n == t or n.endswith("." + t) for t in targets):
                 out.append(n)

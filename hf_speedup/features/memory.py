@@ -29,6 +29,7 @@ knob a probe: re-allocating a freed 40 MiB block must not fault its pages in aga
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from ..compat import get_allocator_settings, set_allocator_settings
 from ..cpu_allocator import PROBE_BYTES, reallocation_faults, reuse_freed_memory, unavailable_reason
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 from ..presets import resolve
+from . import memory_budget
 
 NAME = "memory"
 ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the order torch's CUDA allocator reads them
@@ -106,6 +108,9 @@ class Settings:
     empty_cache_steps: int | None = None  # CUDA only
     expandable_segments: bool = False  # CUDA only
     cpu_reuse_freed: bool = False  # CPU training on glibc only
+    activation_offloading: bool = False  # CUDA, trainers whose arguments have it (TRL's SFTConfig)
+    budget: Any = None  # memory_budget.BudgetFit: what memory.budget tried and chose
+    track_live_tensors: bool = False  # the report tracks one step's live tensors (torch's MemTracker)
 
 
 def _summary(steps: int | None, expandable: bool) -> str:
@@ -124,9 +129,78 @@ def _join(a: str, b: str) -> str:
 
 def decide(ctx: PlanContext) -> Decision:
     cuda = _decide_cuda_knobs(ctx)
-    if not ctx.config.memory.cpu_reuse_freed:
-        return cuda
-    return _with_cpu_reuse(cuda, ctx.caps)
+    decision = _with_cpu_reuse(cuda, ctx.caps) if ctx.config.memory.cpu_reuse_freed else cuda
+    decision = _with_offloading(decision, ctx)
+    return _with_tracking(_with_budget(decision, ctx), ctx)
+
+
+def _add_reason(decision: Decision, text: str) -> str:
+    had = decision.applied != OFF or bool(decision.fallbacks)  # else the reason is "not requested"
+    return f"{decision.reason}; {text}" if had else text
+
+
+def _with_budget(decision: Decision, ctx: PlanContext) -> Decision:
+    """memory.budget: the fit is searched (and the plan amended) here, before any model work."""
+    if ctx.config.memory.budget is None:
+        return decision
+    fit, why_not = memory_budget.fit(ctx)
+    if fit is None:
+        logger.warning("hf_speedup memory: %s", why_not)
+        return decision.replace(reason=_add_reason(decision, why_not),
+                                fallbacks=decision.fallbacks + (f"budget: {why_not}",))
+    text = memory_budget.describe(fit)
+    changed = memory_budget.amend(ctx, fit)
+    if fit.micro_batch is not None:
+        mb, ga = (getattr(ctx.args, "per_device_train_batch_size", 8),
+                  getattr(ctx.args, "gradient_accumulation_steps", 1))
+        changed.insert(0, f"micro-batch {mb} x {ga} accumulation -> {fit.micro_batch} x {fit.grad_accum} "
+                          "(TrainingArguments per_device_train_batch_size, gradient_accumulation_steps; the "
+                          "effective batch is kept)")
+    if changed:
+        text += "; changes: " + ", ".join(changed)
+        logger.info("hf_speedup memory: %s", text)
+    label = f"budget {memory_budget.fmt_bytes(fit.budget_bytes)}" + (": fitted" if fit.changed else "")
+    return decision.replace(applied=_join(decision.applied, label) if fit.changed else decision.applied,
+                            reason=_add_reason(decision, text),
+                            settings=dataclasses.replace(decision.settings, budget=fit))
+
+
+TRACK_WHY = ("one training step's peak of live tensor bytes measured with torch's MemTracker (that step runs "
+             "slower and is left out of the steady-state figures)")
+
+
+def _with_tracking(decision: Decision, ctx: PlanContext) -> Decision:
+    if not ctx.config.memory.track_live_tensors:
+        return decision
+    return decision.replace(reason=_add_reason(decision, TRACK_WHY),
+                            settings=dataclasses.replace(decision.settings, track_live_tensors=True))
+
+
+OFFLOAD = "offload-activations"
+
+
+def _with_offloading(decision: Decision, ctx: PlanContext) -> Decision:
+    """TRL's ``activation_offloading``: saved activations in pinned host memory, streamed back for backward."""
+    asked = ctx.config.memory.activation_offloading
+    if asked is False:
+        return decision
+    has_field = "activation_offloading" in getattr(ctx.args, "__dataclass_fields__", {})
+    why = ("" if has_field and ctx.caps.is_cuda else
+           f"needs CUDA (this is {ctx.caps.device_type})" if has_field else
+           "only TRL trainers offload activations (their SFTConfig.activation_offloading); these arguments have none")
+    if why:
+        if asked is not True:
+            return decision
+        logger.info("hf_speedup memory: %s: %s", OFFLOAD, why)
+        return decision.replace(fallbacks=decision.fallbacks + (f"{OFFLOAD}: {why}",))
+    text = ("activation_offloading: TRL keeps the saved activations in pinned host memory and streams them back "
+            "for backward (less GPU memory, some step time)")
+    had = decision.applied != OFF
+    settings = decision.settings if decision.settings is not None else Settings()
+    return decision.replace(applied=_join(decision.applied, OFFLOAD),
+                            reason=f"{decision.reason}; {text}" if had else text,
+                            settings=Settings(settings.empty_cache_steps, settings.expandable_segments,
+                                              settings.cpu_reuse_freed, activation_offloading=True))
 
 
 def _with_cpu_reuse(decision: Decision, caps) -> Decision:
@@ -175,7 +249,13 @@ def _decide_cuda_knobs(ctx: PlanContext) -> Decision:
 # --------------------------------------------------------------------------------------------- apply
 def training_args(decision: Decision, args) -> dict:
     steps = decision.settings.empty_cache_steps
-    return {"torch_empty_cache_steps": steps} if steps else {}
+    out = {"torch_empty_cache_steps": steps} if steps else {}
+    fit = decision.settings.budget
+    if fit is not None and fit.micro_batch is not None:  # the effective batch is kept
+        out.update(per_device_train_batch_size=fit.micro_batch, gradient_accumulation_steps=fit.grad_accum)
+    if decision.settings.activation_offloading:
+        out["activation_offloading"] = True
+    return out
 
 
 def apply(decision: Decision, setup, outcome: Outcome) -> None:
@@ -222,11 +302,34 @@ def _cpu_reuse_in_force(how: str | None) -> tuple[bool, str]:
     return on, text
 
 
+def _budget_in_force(fit, trainer) -> tuple[bool, str]:
+    """The micro-batch the budget chose is the trainer's; its other changes are verified in their own entries."""
+    text = f"memory.budget: predicted {memory_budget.fmt_bytes(fit.predicted_bytes)}"
+    if fit.micro_batch is None:
+        return True, text + " (checkpointing/optimizer/loss changes: see their entries)"
+    have = (getattr(trainer.args, "per_device_train_batch_size", None),
+            getattr(trainer.args, "gradient_accumulation_steps", None))
+    on = have == (fit.micro_batch, fit.grad_accum)
+    return on, text + f"; args micro-batch {have[0]} x accumulation {have[1]}" + (
+        "" if on else f" (MISMATCH: planned {fit.micro_batch} x {fit.grad_accum})")
+
+
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     st = decision.settings
-    if not (st.empty_cache_steps or st.expandable_segments or st.cpu_reuse_freed):
+    fit = st.budget if st.budget is not None and st.budget.changed else None
+    if not (st.empty_cache_steps or st.expandable_segments or st.cpu_reuse_freed or st.activation_offloading or fit):
         return False, decision.reason
     parts, ok = [], True
+    if fit is not None:
+        on, text = _budget_in_force(fit, trainer)
+        ok = ok and on
+        parts.append(text)
+    if st.activation_offloading:
+        ctx = type(getattr(trainer, "maybe_activation_offload_context", None)).__name__
+        on = bool(getattr(trainer.args, "activation_offloading", False)) and ctx != "nullcontext"
+        ok = ok and on
+        parts.append(f"args.activation_offloading={getattr(trainer.args, 'activation_offloading', None)}, "
+                     f"offload context {ctx}")
     if st.cpu_reuse_freed:
         on, text = _cpu_reuse_in_force(outcome.facts.get("cpu_reuse_how"))
         ok = ok and on

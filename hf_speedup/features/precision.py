@@ -5,6 +5,11 @@ Fallback chain: bf16 -> fp16 with dynamic loss scaling (CUDA without bf16) -> fp
 ``auto`` picks bf16 only where it is native *and fast* (``caps.bf16``: Ampere+ GPU, AMX CPU): on a CPU
 with avx512_bf16 but no AMX, bf16 autocast was measured 2.6x slower than fp32.
 
+An explicit choice wins over ``auto`` and the reason names it: TrainingArguments' ``bf16``/``fp16`` flags,
+else the launcher's ``ACCELERATE_MIXED_PRECISION`` (``accelerate launch --mixed_precision no|bf16|fp16``, or
+its config file, exports it; TrainingArguments itself reads it when neither flag is set). An explicit
+``precision.dtype`` in the config overrides both, and says so.
+
 Engagement rule: ``engaged`` is True iff every reduced-precision setting the decision stands for
 (bf16 or fp16 autocast, TF32 matmuls) is verified in force on the live objects. A decision for plain
 fp32 accelerates nothing: it is reported ``engaged: false`` with "fp32 (no mixed precision) in force as
@@ -51,6 +56,11 @@ class Settings:
 
 
 # --------------------------------------------------------------------------------------------- decide
+LAUNCHER_ENV = "ACCELERATE_MIXED_PRECISION"  # what ``accelerate launch --mixed_precision X`` (or its config) sets
+_LAUNCHER_DTYPES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+_LAUNCHER_NAMES = {v: k for k, v in _LAUNCHER_DTYPES.items()}
+
+
 def args_dtype(args) -> str:
     """The dtype a TrainingArguments asks for ('fp32' when neither flag is set or there are no args)."""
     if args is not None and getattr(args, "bf16", False):
@@ -58,6 +68,31 @@ def args_dtype(args) -> str:
     if args is not None and getattr(args, "fp16", False):
         return "fp16"
     return "fp32"
+
+
+def launcher_dtype(environ=None) -> str | None:
+    """The launcher's mixed precision (``accelerate launch`` exports it for every process), None when unset."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(LAUNCHER_ENV)
+    return _LAUNCHER_DTYPES.get(value.strip().lower()) if value else None
+
+
+def explicit_dtype(args) -> tuple[str | None, str]:
+    """(dtype, who chose it) of an explicit user or launcher choice, (None, "") where nobody chose.
+
+    The order is TrainingArguments' own: its ``bf16``/``fp16`` flags win over the launcher's variable,
+    which it reads when neither flag is set.
+    """
+    user = args_dtype(args)
+    if user != "fp32":
+        return user, f"the TrainingArguments' explicit {user}=True"
+    launcher = launcher_dtype()
+    if launcher is not None:
+        import os
+
+        return launcher, f"the launcher's mixed_precision={os.environ[LAUNCHER_ENV]} ({LAUNCHER_ENV})"
+    return None, ""
 
 
 def runnable(dtype: str, caps) -> tuple[bool, str]:
@@ -82,11 +117,18 @@ def _strict_error(field: str, value, why: str, allowed: list, fix: str) -> Speed
     ])
 
 
-def _walk_chain(wanted: str, caps, strict: bool, from_args: bool = False) -> tuple[str, list[str]]:
+def _walk_chain(wanted: str, caps, strict: bool, from_args: bool = False,
+                from_launcher: bool = False) -> tuple[str, list[str]]:
     """First runnable dtype from ``wanted`` down the chain; each skipped step becomes a fallback."""
 
     def strict_error(dtype: str, why: str) -> SpeedupConfigError:
         allowed = [d for d in CHAIN if runnable(d, caps)[0]] + ["auto"]
+        if from_launcher:  # auto keeps the launcher's choice, so that is what cannot run
+            import os
+
+            runs = [_LAUNCHER_NAMES[d] for d in CHAIN if runnable(d, caps)[0]]
+            return _strict_error(LAUNCHER_ENV, os.environ.get(LAUNCHER_ENV), why, allowed,
+                                 f"launch with --mixed_precision {' or '.join(runs)}, or precision.strict: false")
         if from_args:  # auto keeps the TrainingArguments' flag, so that flag is what cannot run
             return _strict_error(f"TrainingArguments.{dtype}", True, why, allowed,
                                  f"set {dtype}=False in TrainingArguments (precision.dtype: auto then picks "
@@ -108,18 +150,22 @@ def _auto_dtype(caps) -> tuple[str, str]:
 
 
 def _decide_dtype(s, caps, args) -> tuple[str, str, list[str]]:
-    """(dtype, reason, fallbacks) for ``precision.dtype``."""
-    user = args_dtype(args)
+    """(dtype, reason, fallbacks) for ``precision.dtype``. An explicit user or launcher choice wins over ``auto``."""
+    chosen, who = explicit_dtype(args)
     if s.dtype == "keep":
-        return user, f"keep: TrainingArguments' own setting ({user})", []
+        return chosen or "fp32", (f"keep: {who}" if who else "keep: TrainingArguments' own setting (fp32)"), []
     if s.dtype == "auto":
-        if user != "fp32":
-            dtype, fallbacks = _walk_chain(user, caps, s.strict, from_args=True)
-            reason = f"auto keeps the TrainingArguments' explicit {user}=True"
-            if dtype != user:
+        if chosen is not None:
+            dtype, fallbacks = (chosen, []) if chosen == "fp32" else _walk_chain(
+                chosen, caps, s.strict, from_args=True, from_launcher=who.startswith("the launcher"))
+            reason = f"auto keeps {who}"
+            own, _ = _auto_dtype(caps)
+            if dtype != chosen:
                 reason += f", which cannot run here -> {dtype}"
-            elif user == "fp16" and caps.bf16:
+            elif chosen == "fp16" and caps.bf16:
                 reason += " (bf16 would be preferable on this device: no loss scaling, same speed)"
+            elif own != dtype:
+                reason += f" over auto's own choice here ({own})"
             return dtype, _slow_bf16_note(dtype, caps, reason), fallbacks
         dtype, reason = _auto_dtype(caps)
         return dtype, reason, []
@@ -127,8 +173,12 @@ def _decide_dtype(s, caps, args) -> tuple[str, str, list[str]]:
     reason = f"{dtype} as requested" if dtype == s.dtype else f"{s.dtype} cannot run here -> {dtype}"
     if dtype == "fp16":
         reason += " (autocast with dynamic loss scaling)"
-    if user != s.dtype and args is not None:
-        reason += f"; overrides TrainingArguments' {user} (precision.dtype is explicit)"
+    if chosen is not None and chosen != s.dtype:
+        source = f"TrainingArguments' {chosen}" if who.startswith("the TrainingArguments") else who
+        reason += f"; overrides {source} (precision.dtype is explicit)"
+        if dtype == "fp32" and who.startswith("the launcher"):
+            reason += (f"; note: TrainingArguments cannot turn the launcher's {chosen} off: launch with "
+                       "--mixed_precision no for an fp32 run")
     return dtype, _slow_bf16_note(dtype, caps, reason), fallbacks
 
 

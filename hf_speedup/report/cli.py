@@ -11,6 +11,34 @@ from .console import compare_table, metrics_table, plan_table
 from .schema import load_report
 
 
+class ReportInputError(ValueError):
+    """A report that cannot be read (missing, not JSON, not an hf_speedup report) or plotted: the user's
+    input, so ``hf-speedup report`` prints it as one line instead of a traceback."""
+
+
+_SECTIONS = {"plan": dict, "metrics": dict, "measurement": dict, "environment": dict, "capabilities": dict,
+             "history": list, "step_times": list}
+
+
+def read_report(path: str | Path) -> dict:
+    """``load_report`` with every way a path can be wrong turned into :class:`ReportInputError`, including
+    a JSON file whose sections do not have the report's shape (the tables would fail on it later)."""
+    try:
+        report = load_report(path)
+    except (OSError, ValueError) as exc:  # missing, a directory without one, unreadable, not JSON, no plan
+        raise ReportInputError(str(exc)) from None
+    where = report.get("_path", path)
+    for key, kind in _SECTIONS.items():
+        if report.get(key) is not None and not isinstance(report[key], kind):
+            raise ReportInputError(f"{where} is not an hf_speedup report: '{key}' is a {type(report[key]).__name__}, "
+                                   f"not a {'mapping' if kind is dict else 'list'}")
+    bad = [k for k, v in report["plan"].items() if not isinstance(v, dict)]
+    if bad:
+        raise ReportInputError(f"{where} is not an hf_speedup report: plan entries {bad} are not mappings of "
+                               "requested/applied/engaged/reason")
+    return report
+
+
 def _label(report: dict, taken: set[str]) -> str:
     """Short column name of a run: its directory name, else the preset; made unique."""
     path = report.get("_path")
@@ -38,7 +66,7 @@ def format_report(report: dict, width: int = 80) -> str:
 
 def print_report(path: str | Path, width: int = 80) -> str:
     """Print the report at ``path`` (JSON file or run directory); returns the printed text."""
-    text = format_report(load_report(path), width=width)
+    text = format_report(read_report(path), width=width)
     print(text)
     return text
 
@@ -46,8 +74,8 @@ def print_report(path: str | Path, width: int = 80) -> str:
 def compare_reports(paths: list[str | Path], width: int = 80) -> str:
     """Print several runs side by side (per feature: engaged or not; then the metrics); returns the text."""
     if not paths:
-        raise ValueError("compare needs at least one report (a JSON file or run directory)")
-    reports = [load_report(p) for p in paths]
+        raise ReportInputError("compare needs at least one report (a JSON file or run directory)")
+    reports = [read_report(p) for p in paths]
     taken: set[str] = set()
     labels = [_label(r, taken) for r in reports]
     text = compare_table(reports, labels, width=width)
@@ -63,17 +91,17 @@ def plot_report(path: str | Path, out_png: str | Path) -> Path:
         matplotlib.use("Agg", force=True)
         import matplotlib.pyplot as plt
         from matplotlib.ticker import FuncFormatter
-    except ImportError as exc:  # pragma: no cover - optional dependency
-        raise ImportError("plotting needs matplotlib: pip install 'hf_speedup[plot]'") from exc
+    except ImportError:  # pragma: no cover - optional dependency
+        raise ReportInputError("plotting needs matplotlib; fix: pip install 'hf_speedup[plot]'") from None
 
-    report = load_report(path)
+    report = read_report(path)
     history = report.get("history") or []
     step_times = report.get("step_times") or []
     metrics = report.get("metrics") or {}
     x = report.get("measurement") or {}
     env = report.get("environment") or {}
     if not history and not step_times:
-        raise ValueError(f"{report.get('_path', path)} has no per-step history (was the run trained with "
+        raise ReportInputError(f"{report.get('_path', path)} has no per-step history (was the run trained with "
                          f"SpeedupTrainer and at least one logging step?)")
 
     fig, axes = plt.subplots(3, 1, figsize=(9, 8.5), sharex=True, constrained_layout=True)

@@ -12,7 +12,8 @@ How it measures without adding device synchronisation:
 
 Per logging step the metrics go through ``Trainer.log`` (so every ``report_to`` tracker and
 ``state.log_history`` get them) as ``hf_speedup/<metric>`` — trackers that prefix training logs show
-them as ``train/hf_speedup/<metric>``. At the end the steady-state summary is logged the same way, put
+them as ``train/hf_speedup/<metric>``. At the end the summary (steady-state figures and, beside them, the
+whole run's: wall clock with every compile and recompile, and the seconds they took) is logged the same way, put
 into the W&B run summary as ``hf_speedup/<metric>`` (the plan goes to the W&B config as
 ``hf_speedup/<feature>/<field>``), written to ``<output_dir>/speedup_report.json`` and printed.
 Only the main process prints and writes.
@@ -21,8 +22,10 @@ Only the main process prints and writes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
+import os
 import statistics
 import time
 from array import array
@@ -31,11 +34,32 @@ from transformers import TrainerCallback
 
 from ..model_info import ParamCounts, parameter_counts
 from ..peak_flops import resolve_peak_flops
+from . import carry
 from . import measure as M
 from . import sinks
 from .schema import PREFIX, STEP_METRICS, SUMMARY_METRICS, Metrics
 
 logger = logging.getLogger("hf_speedup")
+
+
+def _never_breaks_training(on_failure=None):
+    """Reporting must never end a run: a hook that fails logs a warning, turns reporting off for the rest of
+    the run (the report keeps what it had) and returns ``on_failure(*args)`` (e.g. the logs unchanged)."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                self.active = False
+                logger.warning("hf_speedup: reporting failed in %s (%r); training goes on, the report stays "
+                               "incomplete", method.__name__, exc, exc_info=True)
+                return on_failure(*args) if on_failure is not None else None
+
+        return guarded
+
+    return wrap
 
 
 class SpeedupCallback(TrainerCallback):
@@ -88,14 +112,30 @@ class SpeedupCallback(TrainerCallback):
         self.last_logged_step = -1
         self.dynamo_start = M.dynamo_snapshot()
         self.events = M.compile_events()
+        self.first_step_compile_seconds: float | None = None  # the cold compile: what the first step compiled
         self.t_begin = self.t_last = time.perf_counter()
+        self.carried = carry.Carried()  # counts of the runs before a resume (none: a fresh run)
+        self.resumed_from = self.carry_note = None
+        self.memory = M.MemoryWatch(self.trainer)  # the estimate; one step's live tensors on request
+
+    def _restore_carried(self) -> None:
+        """A resumed run starts from the counts saved in its checkpoint (``report/carry.py``)."""
+        path = getattr(self.trainer, "speedup_resumed_from", None)
+        if path:
+            carried, self.carry_note = carry.read(path)
+            self.resumed_from = str(path)
+            if carried is not None:
+                self.carried = carried
 
     # ------------------------------------------------------------------- hooks from the trainer
+    @_never_breaks_training()
     def count_batch(self, inputs) -> None:
         """Called by ``SpeedupTrainer.training_step`` for every micro-batch (device-side sum, no sync)."""
         if self.active:
             self.counter.add(inputs)
+            self.memory.batch(inputs)
 
+    @_never_breaks_training(on_failure=lambda logs: logs)
     def augment_logs(self, logs: dict) -> dict:
         """Called by ``SpeedupTrainer.log`` on every process: adds ``hf_speedup/*`` to training logs."""
         if not self.active or not isinstance(logs, dict):
@@ -153,6 +193,8 @@ class SpeedupCallback(TrainerCallback):
         tokens = agg["tokens"] - self.last_log["tokens"]
         samples = agg["samples"] - self.last_log["samples"]
         tps = tokens / wall if wall > 0 else None
+        dyn = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())
+        elapsed = sum(self.step_times)
         entry = {
             "step": self.trainer.state.global_step,
             "time_s": round(time.perf_counter() - self.t_begin, 4),
@@ -164,45 +206,78 @@ class SpeedupCallback(TrainerCallback):
             "peak_memory_allocated_bytes": agg["peak_memory_allocated_bytes"],
             "peak_memory_reserved_bytes": agg["peak_memory_reserved_bytes"],
             "memory_allocated_bytes": agg["memory_allocated_bytes"],
-            "recompiles": M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())["recompiles"],
+            "recompiles": dyn["recompiles"],
             "compiled_steps": sum(1 for i in range(start, len(self.step_times)) if i in self.warmup),
+            # since the first step, wall clock (compiles included), and the compile seconds so far
+            "whole_run_tokens_per_second": agg["tokens"] / elapsed if elapsed > 0 else None,
+            "compile_seconds": round(dyn["compile_seconds"], 6),
         }
         self.last_log = {"tokens": agg["tokens"], "samples": agg["samples"], "index": len(self.step_times)}
         self.history.append(entry)
         return entry
 
+    def _totals(self, agg: dict, bounded: bool = False) -> carry.Carried:
+        """This run's counts plus those carried over from the checkpoint it resumed from (``bounded``: the
+        lists thinned to the collector's limits, as written into a checkpoint)."""
+        c = self.carried
+        dyn = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())
+        steady = c.steady_step_times + [t for i, t in enumerate(self.step_times) if i not in self.warmup]
+        history, series = c.history + list(self.history.items), c.step_times + list(self.step_series.items)
+        if bounded:
+            steady = _thin(steady, self.max_step_times)
+        return carry.Carried(
+            global_step=self.trainer.state.global_step, segments=c.segments + 1,
+            steps=c.steps + len(self.step_times), warmup_steps=c.warmup_steps + len(self.warmup),
+            tokens=c.tokens + agg["tokens"], samples=c.samples + agg["samples"],
+            wall_seconds=c.wall_seconds + (time.perf_counter() - self.t_begin),
+            compile_seconds=c.compile_seconds + dyn["compile_seconds"], recompiles=c.recompiles + dyn["recompiles"],
+            graph_breaks=c.graph_breaks + dyn["graph_breaks"], dynamo_frames=c.dynamo_frames + dyn["frames"],
+            warmup_global_steps=(c.warmup_global_steps + self.warmup_global)[:64], steady_step_times=steady,
+            history=_thin(history, self.max_history), step_times=_thin(series, self.max_step_times))
+
     def finalize(self) -> Metrics:
         """Steady-state summary of the run into ``trainer.speedup_report`` (every process calls it)."""
         agg = self._gather()
-        steps = len(self.step_times)
-        step_time, steady = M.steady_state_step_time(self.step_times, self.warmup)
-        tokens, samples = agg["tokens"], agg["samples"]
+        total = self._totals(agg)  # a resumed run: the whole run, counts carried from its checkpoint
+        steps = total.steps
+        if total.steady_step_times:
+            step_time, steady = float(statistics.median(total.steady_step_times)), total.steps - total.warmup_steps
+        else:
+            step_time, steady = M.steady_state_step_time(self.step_times, self.warmup)
+        tokens, samples = total.tokens, total.samples
         tps = (tokens / steps) / step_time if steps and step_time else None
         sps = (samples / steps) / step_time if steps and step_time else None
         fpt = self._flops_per_token(tokens, samples)
         devices = self._num_devices()
-        dyn = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())
         trainer = self.trainer
         params = self.params or ParamCounts(0, 0, 0, 0, 0)
+        wall = total.wall_seconds
         metrics = Metrics(**{
             "tokens_per_second": tps,
             "samples_per_second": sps,
             "step_time_s": step_time,
+            "whole_run_tokens_per_second": tokens / wall if wall else None,
+            "whole_run_samples_per_second": samples / wall if wall else None,
+            "whole_run_seconds": round(wall, 4) if wall else None,
             "mfu": M.mfu(tps, fpt, self.peak_flops, devices),
             "peak_memory_allocated_bytes": agg["peak_memory_allocated_bytes"],
             "peak_memory_reserved_bytes": agg["peak_memory_reserved_bytes"],
-            "compile_seconds": round(dyn["compile_seconds"], 6),
-            "recompiles": dyn["recompiles"],
-            "graph_breaks": dyn["graph_breaks"],
+            "compile_seconds": round(total.compile_seconds, 6),
+            "recompile_seconds": self._recompile_seconds(),
+            "recompiles": total.recompiles,
+            "graph_breaks": total.graph_breaks,
             "compiled_regions": M.compiled_regions(getattr(trainer, "model_wrapped", None), trainer.model),
             "trainable_parameters": params.trainable,
             "total_parameters": params.total,
         })
+        metrics.estimated_peak_bytes, memory = self.memory.summary(tokens, int(getattr(trainer.args,
+                                                                  "gradient_accumulation_steps", 1) or 1),
+                                                                  self.device_type)
         measurement = {
             "steps": steps,
             "steady_state_steps": steady,
-            "warmup_steps": len(self.warmup),
-            "warmup_global_steps": list(self.warmup_global),  # the first 64
+            "warmup_steps": total.warmup_steps,
+            "warmup_global_steps": total.warmup_global_steps,  # the first 64
             "step_time_statistic": "median of steady-state steps (first step and steps that compiled excluded)",
             "tokens": tokens,
             "samples": samples,
@@ -220,20 +295,26 @@ class SpeedupCallback(TrainerCallback):
             "peak_flops_source": self.peak_source,
             "num_devices": devices,
             "memory_source": M.memory_source(self.device_type),
-            "wall_seconds": round(time.perf_counter() - self.t_begin, 4),
-            "dynamo_frames": dyn["frames"],
+            "wall_seconds": round(total.wall_seconds, 4),
+            "dynamo_frames": total.dynamo_frames,
+            "train_runs": total.segments,  # > 1: resumed; the counts above cover every run since step 0
+            "resumed_from": self.resumed_from,
+            "resume_counters": self.carry_note,
+            **memory,
         }
         report = trainer.speedup_report
         report.metrics = metrics
         report.measurement = measurement
-        report.history = list(self.history.items)
-        report.step_times = list(self.step_series.items)
+        report.history = total.history
+        report.step_times = total.step_times
         self.finalized = True
         return metrics
 
     # ------------------------------------------------------------------------------ callbacks
+    @_never_breaks_training()
     def on_train_begin(self, args, state, control, **kwargs):
         self._reset(args)
+        self._restore_carried()
         self._describe_model()  # a model made by ``model_init`` inside ``train()``
         self.trainer.verify_speedup()
         self._resolve_peak()
@@ -249,13 +330,31 @@ class SpeedupCallback(TrainerCallback):
             sinks.write_json(report, args.output_dir)
         self.t_begin = self.t_last = time.perf_counter()
 
+    def _recompile_seconds(self) -> float | None:
+        """Compile seconds spent after the first step of this run (the first one's is the cold compile)."""
+        if self.first_step_compile_seconds is None:
+            return None
+        now = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())["compile_seconds"]
+        return round(max(0.0, now - self.first_step_compile_seconds), 6)
+
+    @_never_breaks_training()
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.active:
+            self.memory.step_begin(state)
+
+    @_never_breaks_training()
     def on_step_end(self, args, state, control, **kwargs):
         if not self.active:
             return
+        tracked = self.memory.step_end()  # a step under MemTracker: slower, left out of the steady state
         now = time.perf_counter()
         idx = len(self.step_times)
         self.step_times.append(now - self.t_last)
         self.t_last = now
+        if tracked:
+            self.warmup.add(idx)
+        if idx == 0:
+            self.first_step_compile_seconds = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())["compile_seconds"]
         events = M.compile_events()
         compiled = events != self.events
         if compiled or idx == 0:
@@ -265,10 +364,18 @@ class SpeedupCallback(TrainerCallback):
                 self.warmup_global.append(state.global_step)
         self.step_series.append([state.global_step, round(self.step_times[idx], 6), bool(compiled)])
 
+    @_never_breaks_training()
     def on_save(self, args, state, control, **kwargs):
-        if self.active and state.is_world_process_zero:
+        if not self.active:
+            return
+        totals = self._totals(self._gather(), bounded=True)  # every process: one collective, as at a logging step
+        if state.is_world_process_zero:
+            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            if os.path.isdir(checkpoint):  # the counters a resume from it carries over
+                carry.write(totals, checkpoint)
             sinks.write_json(self.trainer.speedup_report, args.output_dir)
 
+    @_never_breaks_training()
     def on_train_end(self, args, state, control, **kwargs):
         if not self.active:
             return
@@ -282,3 +389,10 @@ class SpeedupCallback(TrainerCallback):
             sinks.to_wandb(report.to_dict(), summary=True)
             if self.print_tables:
                 sinks.print_metrics(report, path)
+
+
+def _thin(items: list, limit: int) -> list:
+    """At most ``limit`` items spread over the whole series (first kept), as :class:`~.measure.BoundedSeries` does."""
+    while len(items) > max(2, limit):
+        items = items[::2]
+    return items

@@ -148,20 +148,32 @@ def metric_rows(report: dict) -> list[list[str]]:
     m = report.get("metrics") or {}
     x = report.get("measurement") or {}
     mem_note = x.get("memory_source") or ""
+    measures = x.get("memory_measures") or {}  # what each memory number is (older reports: none)
     steps = x.get("steps")
     steady = x.get("steady_state_steps")
     mfu_note = (f"of {x['peak_flops_per_device'] / 1e12:,.1f} TFLOP/s {x.get('compute_dtype', '')} "
                 f"x {x.get('num_devices', 1)} ({x.get('peak_flops_source')})" if x.get("peak_flops_per_device")
                 else (x.get("peak_flops_source") or "peak FLOP/s unknown"))
+    whole = m.get("whole_run_seconds")
     rows = [
-        ["tokens/s", fmt_num(m.get("tokens_per_second")), "non-padding tokens, all ranks"],
-        ["samples/s", fmt_num(m.get("samples_per_second"), 2), ""],
+        ["tokens/s steady", fmt_num(m.get("tokens_per_second")),
+         "non-padding tokens, all ranks; steady state: median step, compiling steps left out"],
+        ["tokens/s whole run", fmt_num(m.get("whole_run_tokens_per_second")),
+         f"wall clock over {fmt_seconds(whole)}, compiles and recompiles included" if whole else
+         "wall clock, compiles and recompiles included"],
+        ["samples/s steady", fmt_num(m.get("samples_per_second"), 2), ""],
+        ["samples/s whole", fmt_num(m.get("whole_run_samples_per_second"), 2), ""],
         ["step time", fmt_seconds(m.get("step_time_s")),
          f"median of {steady} steady steps of {steps}" if steps else "steady state"],
         ["MFU", fmt_pct(m.get("mfu")), mfu_note],
-        ["peak mem allocated", fmt_bytes(m.get("peak_memory_allocated_bytes")), mem_note],
-        ["peak mem reserved", fmt_bytes(m.get("peak_memory_reserved_bytes")), mem_note],
+        ["peak mem allocated", fmt_bytes(m.get("peak_memory_allocated_bytes")),
+         measures.get("peak_memory_allocated_bytes", mem_note)],
+        ["peak mem reserved", fmt_bytes(m.get("peak_memory_reserved_bytes")),
+         measures.get("peak_memory_reserved_bytes", mem_note)],
+        ["peak live tensors", fmt_bytes(x.get("peak_live_tensor_bytes")), measures.get("peak_live_tensor_bytes", "")],
+        ["estimated peak", fmt_bytes(m.get("estimated_peak_bytes")), measures.get("estimated_peak_bytes", "")],
         ["compile time", fmt_seconds(m.get("compile_seconds")), "dynamo + backend, this run"],
+        ["recompile time", fmt_seconds(m.get("recompile_seconds")), "of it, after the first step"],
         ["recompiles", fmt_num(m.get("recompiles")), ""],
         ["graph breaks", fmt_num(m.get("graph_breaks")), ""],
         ["compiled regions", fmt_num(m.get("compiled_regions")), "modules running compiled"],
@@ -217,12 +229,14 @@ def compare_table(reports: list[dict], labels: list[str], width: int = 80) -> st
             rows.append(["  " + f] + cells)
         rows.append(["achieved:"] + [""] * len(chunk))
         base_m = base.get("metrics") or {}
-        for label, key, fmt in (("tokens/s", "tokens_per_second", fmt_num),
+        for label, key, fmt in (("tokens/s steady", "tokens_per_second", fmt_num),
+                                ("tokens/s whole", "whole_run_tokens_per_second", fmt_num),
                                 ("samples/s", "samples_per_second", lambda v: fmt_num(v, 2)),
                                 ("step time", "step_time_s", fmt_seconds), ("MFU", "mfu", fmt_pct),
                                 ("peak allocated", "peak_memory_allocated_bytes", fmt_bytes),
                                 ("peak reserved", "peak_memory_reserved_bytes", fmt_bytes),
                                 ("compile time", "compile_seconds", fmt_seconds),
+                                ("recompile time", "recompile_seconds", fmt_seconds),
                                 ("recompiles", "recompiles", fmt_num), ("graph breaks", "graph_breaks", fmt_num),
                                 ("compiled regions", "compiled_regions", fmt_num),
                                 ("trainable params", "trainable_parameters", fmt_params)):
@@ -232,6 +246,12 @@ def compare_table(reports: list[dict], labels: list[str], width: int = 80) -> st
             a, b = (r.get("metrics") or {}).get("tokens_per_second"), base_m.get("tokens_per_second")
             speed.append(f"x{a / b:.2f}" if a and b else "-")
         rows.append(["  speed vs first"] + speed)
+        whole = []
+        for r in chunk:
+            a, b = (r.get("metrics") or {}).get("whole_run_tokens_per_second"), \
+                base_m.get("whole_run_tokens_per_second")
+            whole.append(f"x{a / b:.2f}" if a and b else "-")
+        rows.append(["  whole vs first"] + whole)
         mem = []
         for r in chunk:
             key = "peak_memory_allocated_bytes"

@@ -7,11 +7,15 @@ it, the sinks (JSON, W&B, console) and ``hf-speedup report`` only read it.
 
 - ``plan``: per feature ``requested / applied / engaged / reason`` (engaged verified on the live objects);
 - ``metrics``: the steady-state numbers of DESIGN.md (null until training ran; ``mfu`` null where the
-  peak FLOP/s is unknown);
+  peak FLOP/s is unknown) and beside them the whole-run ones (``whole_run_*``: wall clock, compiles and
+  recompiles included) with the seconds spent compiling (``compile_seconds``, of which
+  ``recompile_seconds`` after the first step);
 - ``measurement``: how the metrics were obtained (steps, tokens, FLOPs per token, peak used, dtype ...);
 - ``environment``: package versions and the device;
 - ``history``: one entry per logging step (throughput, step time, memory), bounded in length;
 - ``step_times``: ``[global_step, seconds, compiled]`` per optimizer step, bounded in length;
+- ``profile``: null unless ``profile.enabled``; then the profiled steps, the trace file (TensorBoard /
+  Perfetto), the labels found in it, the top operators by self time and the CUDA memory snapshot (or why none);
 - ``capabilities``, ``model``, ``config``: what the plan was built from.
 """
 
@@ -42,13 +46,19 @@ class Metrics:
     tokens_per_second: float | None = None  # non-padding tokens, all ranks, steady state
     samples_per_second: float | None = None
     step_time_s: float | None = None  # median of the steady-state steps
+    # whole run: wall clock from the first step to the last, compiles, recompiles, data loading and logging included
+    whole_run_tokens_per_second: float | None = None
+    whole_run_samples_per_second: float | None = None
+    whole_run_seconds: float | None = None
     mfu: float | None = None
     peak_memory_allocated_bytes: int | None = None
     peak_memory_reserved_bytes: int | None = None  # CPU: peak RSS of the process
-    compile_seconds: float | None = None
+    compile_seconds: float | None = None  # dynamo + backend, every compile of the run
+    recompile_seconds: float | None = None  # the part of compile_seconds spent after the first step
     recompiles: int | None = None
     graph_breaks: int | None = None
     compiled_regions: int | None = None
+    estimated_peak_bytes: int | None = None  # hf_speedup.estimate_memory: live tensors at the peak (any device)
     trainable_parameters: int | None = None
     total_parameters: int | None = None
 
@@ -56,7 +66,7 @@ class Metrics:
 SUMMARY_METRICS = tuple(f.name for f in dataclasses.fields(Metrics))
 # Logged at every logging step (the summary adds the rest).
 STEP_METRICS = ("tokens_per_second", "samples_per_second", "step_time_s", "mfu", "peak_memory_allocated_bytes",
-                "peak_memory_reserved_bytes", "recompiles")
+                "peak_memory_reserved_bytes", "recompiles", "whole_run_tokens_per_second", "compile_seconds")
 
 
 def plan_entries(plan: Plan, outcomes: dict[str, Outcome] | None = None) -> dict:
@@ -76,6 +86,7 @@ class Report:
     measurement: dict = field(default_factory=dict)
     history: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
+    profile: dict | None = None  # filled by the profile feature's callback when its window closes
 
     def to_dict(self) -> dict:
         metrics = dataclasses.asdict(self.metrics) if isinstance(self.metrics, Metrics) else \
@@ -89,6 +100,7 @@ class Report:
             "environment": dict(self.environment),
             "history": list(self.history),
             "step_times": list(self.step_times),
+            "profile": dict(self.profile) if self.profile is not None else None,
             "capabilities": self.plan.caps.to_dict(),
             "model": self.plan.model.to_dict() if self.plan.model else None,
             "config": self.plan.config.to_dict(),
