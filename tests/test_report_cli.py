@@ -143,6 +143,9 @@ def test_tables_fit_80_columns_with_long_reasons_and_names(tiny_model):
     text = plan_table(plan)
     _assert_width(text)
     assert all(f in text for f in ("precision", "compile", "optimizer", "fsdp"))
+    # long values wrap inside their column: nothing is cut off
+    assert "~" not in text and "improbably long marketing name" in " ".join(text.split())
+    assert "value,another=1,2,3" in text and "very_long_setting_name" in text
     capped = plan_table(plan, max_reason_lines=2)
     assert len(capped.splitlines()) < len(text.splitlines()) and "..." in capped
     _assert_width(capped)

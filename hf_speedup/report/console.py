@@ -17,21 +17,25 @@ def _cell(v) -> str:
     return str(v)
 
 
-def _clip(s: str, w: int) -> str:
-    return s if len(s) <= w else s[: max(0, w - 1)] + "~"
+def _wrap(s: str, w: int) -> list[str]:
+    """A cell's lines within width ``w``: wrapped at spaces, long words split; never clipped."""
+    return textwrap.wrap(s, max(1, w), break_on_hyphens=False) or [""]
+
+
+def _rows_of(cells: list[str], widths: list[int]) -> list[str]:
+    """One table row as lines: every cell wraps inside its own column."""
+    columns = [_wrap(c, w) for c, w in zip(cells, widths)]
+    height = max(len(c) for c in columns)
+    return ["  ".join((col[i] if i < len(col) else "").ljust(w) for col, w in zip(columns, widths)).rstrip()
+            for i in range(height)]
 
 
 def table(headers: list[str], rows: list[list], widths: list[int]) -> str:
-    """Fixed-width table; the last column wraps so lines stay within sum(widths)."""
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    """Fixed-width table within sum(widths): cells wrap inside their columns instead of being cut."""
+    out = _rows_of(headers, widths)
     out.append("  ".join("-" * w for w in widths))
     for row in rows:
-        cells = [_cell(c) for c in row]
-        head = [_clip(c, w).ljust(w) for c, w in zip(cells[:-1], widths[:-1])]
-        wrapped = textwrap.wrap(cells[-1], widths[-1], break_on_hyphens=False) or [""]
-        out.append(("  ".join(head) + "  " + wrapped[0]).rstrip())
-        pad = " " * (sum(w + 2 for w in widths[:-1]))
-        out.extend((pad + line).rstrip() for line in wrapped[1:])
+        out.extend(_rows_of([_cell(c) for c in row], widths))
     return "\n".join(out)
 
 
@@ -73,11 +77,10 @@ def plan_table_rows(title: str, rows: list[list], width: int = 80, max_reason_li
     caps = [14, 22, 26, 7]
     widths = [min(cap, max([len(h)] + [len(_cell(r[i])) for r in rows]))
               for i, (h, cap) in enumerate(zip(headers, caps))]
-    out = [_clip(title, width), "  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip(),
-           "  ".join("-" * w for w in widths)]
+    out = _wrap(title, width) + _rows_of(headers, widths) + ["  ".join("-" * w for w in widths)]
     indent = "    "
     for row in rows:
-        out.append("  ".join(_clip(_cell(c), w).ljust(w) for c, w in zip(row[:4], widths)).rstrip())
+        out.extend(_rows_of([_cell(c) for c in row[:4]], widths))
         lines = textwrap.wrap(_cell(row[4]), width - len(indent), break_on_hyphens=False)
         if max_reason_lines is not None and len(lines) > max_reason_lines:
             lines = lines[:max(1, max_reason_lines)]
@@ -193,7 +196,7 @@ def metrics_table(report: dict, width: int = 80) -> str:
     widths = _fit(headers, rows, [18, 14], width)
     title = (f"hf_speedup metrics: preset '{report.get('preset')}', {x.get('steps', 0)} steps, "
              f"{x.get('num_devices', env.get('world_size', 1))} device(s), {env.get('device_name', '?')}")
-    return _clip(title, width) + "\n" + table(headers, rows, widths)
+    return "\n".join(_wrap(title, width)) + "\n" + table(headers, rows, widths)
 
 
 # --------------------------------------------------------------------------------------- compare
@@ -258,9 +261,8 @@ def compare_table(reports: list[dict], labels: list[str], width: int = 80) -> st
             a, b = (r.get("metrics") or {}).get(key), base_m.get(key)
             mem.append(f"x{a / b:.2f}" if a and b else "-")
         rows.append(["  memory vs first"] + mem)
-        lines = ["  ".join(_clip(h, w).ljust(w) for h, w in zip(["run"] + names, widths)).rstrip(),
-                 "  ".join("-" * w for w in widths)]
+        lines = _rows_of(["run"] + names, widths) + ["  ".join("-" * w for w in widths)]
         for row in rows:
-            lines.append("  ".join(_clip(str(c), w).ljust(w) for c, w in zip(row, widths)).rstrip())
+            lines.extend(_rows_of([str(c) for c in row], widths))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
