@@ -144,9 +144,13 @@ def attention_facts(model: nn.Module) -> dict:
         kernels.append("interface")
     module = sys.modules.get(cls.__module__)
     masks = module is not None and hasattr(module, "create_causal_mask")
-    decoder = cfg is not None and not getattr(cfg, "is_encoder_decoder", False)
+    decoder = cfg is not None and not getattr(cfg, "is_encoder_decoder", False) and not _bidirectional(cfg)
+    causal_head = cls.__name__.endswith(("ForCausalLM", "LMHeadModel"))
     if not decoder:
         packed, why = False, f"{cls.__name__} is not a decoder-only model"
+    elif not causal_head:
+        packed, why = False, (f"{cls.__name__} has no causal-LM head: its labels are not per-token (a classification "
+                              "or other head keeps its rows padded)")
     elif not (masks and interface):
         packed, why = False, (f"{cls.__name__}'s modeling code does not build its masks with transformers' "
                               "create_causal_mask through AttentionInterface, so packed sequences would attend to "
@@ -156,6 +160,13 @@ def attention_facts(model: nn.Module) -> dict:
                              "position_ids) and dispatches attention through AttentionInterface")
     return {"attn_implementation": impl, "attention_kernels": tuple(kernels), "packed_sequences": packed,
             "packed_reason": why}
+
+
+def _bidirectional(cfg) -> bool:
+    """An encoder family (BERT, RoBERTa, ...) used as an encoder: its self-attention sees the whole row."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return getattr(cfg, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False)
 
 
 def describe_model(model: nn.Module) -> ModelInfo:

@@ -13,10 +13,6 @@ from .plan import build_plan
 
 logger = logging.getLogger("hf_speedup")
 
-# Features applied to the model itself: TrainingArguments cannot carry them unless the feature says how.
-MODEL_LEVEL = {"compile", "lora", "checkpointing", "fsdp", "loss", "profile"}
-# Features that act around the training loop (signal handlers, a callback): SpeedupTrainer's train() only.
-TRAINER_LEVEL = {"interrupt"}
 
 
 def training_arguments(preset: Any = "auto", **kwargs):
@@ -60,14 +56,19 @@ def _stock_args(args_cls, preset: Any, kwargs: dict):
             if k in kwargs and kwargs[k] != v:
                 logger.info("hf_speedup: %s: kept your %s=%r over the %r of preset %r (an explicit argument "
                             "wins)", args_cls.__name__, k, kwargs[k], v, name)
-        if feature.NAME in MODEL_LEVEL and _changes_model(feature.NAME, decision, plan) and not wanted:
+        applies_to = getattr(feature, "APPLIES_TO", "args")  # see the feature contract in features/__init__.py
+        if applies_to == "model" and _changes_model(feature.NAME, decision, plan) and not wanted:
             logger.warning("hf_speedup: preset %r: %s=%r changes the model itself and cannot be expressed in %s: "
                            "dropped here; use SpeedupTrainer (or SpeedupMixin) for it", name, feature.NAME,
                            decision.applied if decision.active else decision.requested, args_cls.__name__)
-        if feature.NAME in TRAINER_LEVEL and decision.active:
+        if applies_to == "train" and decision.active:
             logger.warning("hf_speedup: preset %r: %s=%r needs SpeedupTrainer's train() and cannot be expressed in "
                            "%s: dropped here (the stock Trainer keeps the default signal actions)", name,
                            feature.NAME, decision.applied, args_cls.__name__)
+    if plan["data"].settings.padding_free_via == "collator":
+        logger.warning("hf_speedup: preset %r: data.padding_free (padding-free rows) replaces the collator and cannot "
+                       "be expressed in %s: the stock Trainer keeps padding; use SpeedupTrainer (or, with TRL, "
+                       "sft_config, which sets SFTConfig.padding_free)", name, args_cls.__name__)
     out = replace_args(args, overrides)
     setattr(out, EXPLICIT_ARGS_ATTR, explicit)  # SpeedupTrainer keeps these over a preset's loader choices
     return out

@@ -6,6 +6,7 @@ before the Trainer's own ``__init__`` runs; the training loop stays the Trainer'
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from typing import Any
@@ -15,7 +16,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .compat import replace_args
 from .credentials import redacted_overrides
-from .features import FEATURES, Setup, interrupt
+from .features import FEATURES, Setup
 from .features.fsdp.trainer_hooks import FsdpTrainerMixin
 from .gguf import clear_stale_gguf_quantizer
 from . import inputs
@@ -98,8 +99,8 @@ class SpeedupMixin(FsdpTrainerMixin):
         self.verify_speedup()
 
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
-        """Stock ``train()``, armed against preemption (the ``interrupt`` feature: a handled signal ends it with
-        a checkpoint of the current step and :class:`~hf_speedup.features.interrupt.TrainingInterrupted`).
+        """Stock ``train()`` inside the features' ``during_train`` contexts (``interrupt``: a handled signal ends
+        it with a checkpoint of the current step and :class:`~hf_speedup.features.interrupt.TrainingInterrupted`).
 
         ``resume_from_checkpoint=True`` is resolved to the last checkpoint here, as the Trainer does, so the
         report can carry its counters over from that checkpoint.
@@ -107,7 +108,11 @@ class SpeedupMixin(FsdpTrainerMixin):
         if resume_from_checkpoint is True and (last := get_last_checkpoint(self.args.output_dir)) is not None:
             resume_from_checkpoint = last  # None: left True, the Trainer raises its own error
         self.speedup_resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-        with interrupt.armed(self):
+        with contextlib.ExitStack() as around:  # features that act around the run (``interrupt``: signal handlers)
+            for feature in FEATURES:
+                if (enter := getattr(feature, "during_train", None)) is not None:
+                    name = feature.NAME
+                    around.enter_context(enter(self.speedup_plan[name], self, self.speedup_outcomes[name]))
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ---- report hooks: the stock loop is unchanged, these only observe it --------------------------

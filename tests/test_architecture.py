@@ -7,6 +7,7 @@ a lazy import that dodges a cycle is still a cycle in the design.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,21 @@ def test_the_checker_sees_lazy_upward_imports(tmp_path, monkeypatch, bad, expect
     path.write_text(f"def later():\n    {bad}\n")
     targets = _imports(path, module)
     assert any(_unit(t) in ("plan", "trainer") for t in targets), targets
+
+
+def test_every_feature_has_the_contract_and_says_where_it_acts():
+    """The contract of features/__init__.py, checked on every registered feature: one name across module,
+    config section and plan; the four functions; ``APPLIES_TO`` (when given) one of the allowed values."""
+    from hf_speedup.config import SpeedupConfig
+    from hf_speedup.features import FEATURES
+    from hf_speedup.plan import build_plan
+    from hf_speedup.tiny import tiny_llama
+
+    sections = {f.name for f in dataclasses.fields(SpeedupConfig)}
+    plan = build_plan("auto", model=tiny_llama())
+    for feature in FEATURES:
+        assert feature.__name__.rsplit(".", 1)[1] == feature.NAME, feature.__name__
+        assert feature.NAME in sections and feature.NAME in plan.decisions, feature.NAME
+        assert all(callable(getattr(feature, fn, None)) for fn in ("decide", "training_args", "apply", "verify"))
+        assert getattr(feature, "APPLIES_TO", "args") in {"args", "model", "train"}, feature.NAME
+    assert [f.NAME for f in FEATURES if hasattr(f, "during_train")] == ["interrupt"]

@@ -155,7 +155,16 @@ def test_block_label_does_not_depend_on_the_order_of_no_split_modules(order):
 
 # ------------------------------------------------------------------------------------- drop_last
 def _fast_no_compile():
-    return {"base": "fast", "compile": {"enabled": False}}
+    """fast on padded rows: the case drop_last is for (static shapes)."""
+    return {"base": "fast", "compile": {"enabled": False}, "data": {"padding_free": False}}
+
+
+def test_padding_free_rows_drop_nothing_and_say_why(make_args, dataset, collator):
+    trainer = SpeedupTrainer(model=small_llama(), args=make_args(max_steps=1), train_dataset=dataset,
+                             data_collator=collator, speedup={"base": "fast", "compile": {"enabled": False}})
+    state = trainer.speedup_status["data"]
+    assert state.settings.padding_free and trainer.args.dataloader_drop_last is False
+    assert "drop_last not applied: padding-free rows" in state.reason and "drop_last" not in state.applied
 
 
 def test_fewer_rows_than_one_batch_keeps_the_partial_batch_and_says_so(make_args, dataset, collator):
@@ -225,6 +234,7 @@ def test_training_arguments_says_what_it_drops(tmp_path, caplog):
     assert ("preset 'fast': compile=True changes the model itself and cannot be expressed in TrainingArguments: "
             "dropped here; use SpeedupTrainer") in caplog.text
     assert "kept your dataloader_drop_last=False over the True of preset 'fast'" in caplog.text
+    assert "data.padding_free (padding-free rows) replaces the collator and cannot be expressed" in caplog.text
     assert set(getattr(args, data.EXPLICIT_ARGS_ATTR)) == {"output_dir", "use_cpu", "dataloader_drop_last"}
 
 

@@ -182,6 +182,25 @@ def test_models_without_packed_sequence_support_keep_padding(make_args):
     assert not auto.settings.padding_free and auto.fallbacks == ()  # auto: a reason, not a fallback
 
 
+def test_encoders_and_non_lm_heads_keep_padding_in_auto(make_args):
+    """Packed rows are only safe for a causal LM: an encoder's attention sees the whole row, and a
+    classification head's labels are one per row, not per token."""
+    from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, LlamaConfig,
+                              LlamaForCausalLM, LlamaForSequenceClassification)
+
+    bert = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    llama = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, pad_token_id=0)
+    cases = {BertForMaskedLM(bert): "is not a decoder-only model",
+             BertForSequenceClassification(bert): "is not a decoder-only model",
+             LlamaForSequenceClassification(llama): "has no causal-LM head"}
+    for model, why in cases.items():
+        d = build_plan("auto", caps=fake_caps(**CPU_NO_BF16), model=model, args=make_args())["data"]
+        assert not d.settings.padding_free and why in d.reason, (type(model).__name__, d.reason)
+    d = build_plan("auto", caps=fake_caps(**CPU_NO_BF16), model=LlamaForCausalLM(llama), args=make_args())["data"]
+    assert d.settings.padding_free  # the control: the same body with an LM head packs
+
+
 def test_batch_of_one_has_nothing_to_unpad(tiny_model, make_args):
     d = build_plan("auto", caps=fake_caps(**CPU_NO_BF16), model=tiny_model,
                    args=make_args(per_device_train_batch_size=1))["data"]

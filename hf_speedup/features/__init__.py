@@ -14,7 +14,12 @@ Every feature module defines:
 - ``verify(decision, trainer, outcome) -> (engaged, reason)``: inspects the real objects after setup
   (facts worth reporting go to ``outcome.facts``);
 - optionally ``callbacks(decision, trainer, outcome) -> list[TrainerCallback]``: for features that act
-  during training (``profile``, ``interrupt``); SpeedupTrainer registers them before its report collector.
+  during training (``profile``, ``interrupt``); SpeedupTrainer registers them before its report collector;
+- optionally ``during_train(decision, trainer, outcome)``: a context manager SpeedupTrainer's ``train()`` runs
+  inside (``interrupt``: signal handlers for the run);
+- optionally ``APPLIES_TO``: ``"args"`` (the default: TrainingArguments carry it), ``"model"`` (changes the
+  model: SpeedupTrainer/SpeedupMixin only) or ``"train"`` (acts around ``train()``); what
+  ``training_arguments()`` tells a stock-Trainer user it cannot carry.
 
 The order below is the order of decisions and of application (LoRA wraps before blocks are
 checkpointed and compiled; FSDP decides before checkpointing so it is done only once; the chunked loss

@@ -30,6 +30,7 @@ from ..plan_types import OFF, Decision, Outcome, PlanContext
 from .checkpointing_mechanism import block_checkpoint_fn, disable_kv_cache, enable_block_checkpointing, is_non_reentrant
 
 NAME = "checkpointing"
+APPLIES_TO = "model"
 logger = logging.getLogger("hf_speedup")
 
 

@@ -34,6 +34,7 @@ from ..hardware import cpu_name
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "compile"
+APPLIES_TO = "model"
 logger = logging.getLogger("hf_speedup")
 
 HEAD_REGIONS = ("final_norm", "lm_head", "loss")

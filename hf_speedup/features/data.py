@@ -66,8 +66,9 @@ class Settings:
 
 
 # --------------------------------------------------------------------------------------------- decide
-def _loader(s, caps, args) -> tuple[dict, list[str], list[str]]:
-    """(TrainingArguments-side settings, reasons, fallbacks) for the DataLoader knobs."""
+def _loader(s, caps, args, flattened: bool = False) -> tuple[dict, list[str], list[str]]:
+    """(TrainingArguments-side settings, reasons, fallbacks) for the DataLoader knobs; ``flattened``: batches
+    are padding-free rows, whose length changes every batch anyway."""
     out, reasons, fallbacks = {}, [], []
     if s.num_workers is not None:
         out["num_workers"] = s.num_workers
@@ -97,7 +98,11 @@ def _loader(s, caps, args) -> tuple[dict, list[str], list[str]]:
             continue
         out[key] = value
         reasons.append(f"{key}={value}")
-    if s.drop_last is not None and not _kept_users_choice("drop_last", s.drop_last, args, reasons):
+    if s.drop_last is True and flattened:
+        reasons.append("drop_last not applied: padding-free rows are one row of a new length every batch (compiled "
+                       "with a dynamic sequence dimension), so a partial last batch costs no recompile and no sample "
+                       "is skipped")
+    elif s.drop_last is not None and not _kept_users_choice("drop_last", s.drop_last, args, reasons):
         out["drop_last"] = s.drop_last
         reasons.append("drop each epoch's last partial batch: under static-shape compile it would compile every "
                        "region again for one step (up to batch_size-1 samples per epoch are skipped, different "
@@ -199,8 +204,10 @@ def _padding_free(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
 
 def decide(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.data, ctx.caps
-    loader, reasons, fallbacks = _loader(s, caps, ctx.args)
     via, pf_reason, pf_fallbacks = _padding_free(ctx)
+    # without a model (``training_arguments()``) the stock Trainer keeps its padding collator: rows stay padded
+    flattened = via == "trainer" or (via == "collator" and ctx.model is not None)
+    loader, reasons, fallbacks = _loader(s, caps, ctx.args, flattened=flattened)
     fallbacks = pf_fallbacks + fallbacks
     packing = s.packing if s.packing is not None and _args_have(ctx.args, "packing") else None
     if s.packing is not None and packing is None:

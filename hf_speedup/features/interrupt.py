@@ -51,6 +51,7 @@ from transformers import TrainerCallback
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "interrupt"
+APPLIES_TO = "train"
 logger = logging.getLogger("hf_speedup")
 APPLIED = "save-and-exit"
 
@@ -120,6 +121,11 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
 
 def callbacks(decision: Decision, trainer, outcome: Outcome) -> list:
     return [InterruptCallback(decision, outcome)] if decision.active else []
+
+
+def during_train(decision: Decision, trainer, outcome: Outcome) -> "armed":
+    """The signal handlers, in place while ``train()`` runs."""
+    return armed(trainer)
 
 
 def find_callback(trainer) -> "InterruptCallback | None":

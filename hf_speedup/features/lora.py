@@ -37,6 +37,7 @@ from ..model_info import is_linear_layer, parameter_counts, quantization_of
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "lora"
+APPLIES_TO = "model"
 logger = logging.getLogger("hf_speedup")
 
 _BITS = {"4bit": "qlora", "8bit": "lora-8bit"}

@@ -37,6 +37,7 @@ from ..plan_types import OFF, Decision, Outcome, PlanContext
 from .chunked_cross_entropy import IGNORE_INDEX, install, installed_state, uninstall, unsupported_reason
 
 NAME = "loss"
+APPLIES_TO = "model"
 logger = logging.getLogger("hf_speedup")
 PROBE_TOKENS = 16
 PROBE_REL = {torch.float32: 1e-4}  # other dtypes: 1e-2

@@ -40,6 +40,7 @@ from ..blocks import find_blocks, unwrap_model
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "profile"
+APPLIES_TO = "model"
 logger = logging.getLogger("hf_speedup")
 LABEL = "hf_speedup/"
 BLOCK_LABEL, LOSS_LABEL, OPTIMIZER_LABEL = LABEL + "block.{}", LABEL + "loss", LABEL + "optimizer_step"

@@ -37,4 +37,6 @@ from .settings import NAME, Mesh, MixedPrecision, Settings, Wrap
 from .trainer_args import training_args
 from .verification import verify
 
-__all__ = ["NAME", "Mesh", "MixedPrecision", "Settings", "Wrap", "apply", "decide", "training_args", "verify"]
+APPLIES_TO = "model"  # on CPU hf_speedup shards the model itself; through accelerate the arguments carry it
+
+__all__ = ["APPLIES_TO", "NAME", "Mesh", "MixedPrecision", "Settings", "Wrap", "apply", "decide", "training_args", "verify"]
