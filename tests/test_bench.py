@@ -306,3 +306,17 @@ def test_gpu_plan_dry_run_end_to_end(tmp_path):
     assert any("qlora -> lora" in f for f in qlora_fallbacks)  # no CUDA: plain LoRA, and it says so
     assert rows["lora"]["worker"]["trainable_parameters"] < rows["lora"]["worker"]["total_parameters"]
     assert (out / "bench.md").is_file() and (out / "bench.png").is_file()
+
+
+def test_peers_load_a_model_path_in_fp32_like_the_presets(tmp_path):
+    """A checkpoint saved in bf16: the stock peers must not train in its storage dtype while presets load fp32."""
+    import torch
+
+    from hf_speedup.bench.worker import build_model
+    from hf_speedup.presets import resolve
+    from hf_speedup.tiny import tiny_llama
+
+    tiny_llama().to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    spec = {"options": {"model": str(tmp_path / "m")}, "device": "cpu", "output": str(tmp_path)}
+    peer, preset = build_model(spec), build_model(spec, resolve("auto"))
+    assert {p.dtype for p in peer.parameters()} == {p.dtype for p in preset.parameters()} == {torch.float32}

@@ -204,13 +204,11 @@ def build_model(spec: dict, config=None):
     opts, device = spec["options"], spec["device"]
     quantized = config is not None and config.lora.enabled and config.lora.quantization and device == "cuda"
     if opts["model"]:
-        if config is not None:
-            from ..loading import load_model
+        from ..loading import load_model
 
-            return load_model(opts["model"], speedup=config)
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(opts["model"])
+        # a peer loads as the stock recipes do for mixed-precision training: fp32 weights (the "baseline" plan),
+        # like a preset's full fine-tune and like the random models, not the checkpoint's own (often bf16) dtype
+        return load_model(opts["model"], speedup=config if config is not None else "baseline")
     if quantized:  # a 4-bit base is quantized while it loads: save the random model once, then load it
         import torch
 
