@@ -146,13 +146,15 @@ def _cmd_estimate(ns) -> int:
     if est.plan_changes:
         lines.append("memory.budget changed the plan: " + "; ".join(est.plan_changes))
     fits = memory is not None and est.fits(memory)
+    verdict = {"memory_bytes": memory, "fits": fits, "cheapest_change": None, "cheapest_change_bytes": None}
     if memory and not fits:
         chosen, text = cheapest_fit(described, config, memory, **kw)
         lines.append(f"cheapest change that fits: {text} (predicted {fmt_bytes(chosen.total_bytes)})" if chosen
                      else f"nothing fits: {text}")
+        verdict.update(cheapest_change=text, cheapest_change_bytes=chosen.total_bytes if chosen else None)
     lines += [f"note: {n}" for n in est.notes]
     if ns.json:
-        print(json.dumps(est.to_dict(), indent=2, default=str))
+        print(json.dumps({**est.to_dict(), **verdict}, indent=2, default=str))
     else:
         print("\n".join(lines))
     return 0 if fits else 1

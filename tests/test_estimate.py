@@ -307,7 +307,17 @@ def test_cli_estimate_prints_the_table_and_the_cheapest_change(capsys):
     for item in ("weights", "gradients", "optimizer_states", "activations", "logits_and_loss", "total"):
         assert f"\n{item} " in out
     assert "does NOT fit in 1.86 GiB (--memory)" in out
-    assert "cheapest change that fits:" in out or "nothing fits:" in out
+    assert "nothing fits: memory.budget = 2000000000 (1.86 GiB): no configuration hf_speedup may choose" in out
+
+    # a budget a smaller micro-batch meets: the change keeps the effective batch; --json carries the verdict
+    argv = ["estimate", "--config", config, "--seq-len", "1024", "--batch-size", "8", "--memory", "14GB"]
+    assert main(argv) == 1
+    assert "cheapest change that fits: micro-batch 8 x 1 accumulation -> 2 x 4" in capsys.readouterr().out
+    assert main(argv + ["--json"]) == 1
+    verdict = json.loads(capsys.readouterr().out)
+    assert (verdict["fits"], verdict["memory_bytes"]) == (False, 14_000_000_000)
+    assert verdict["cheapest_change"] == "micro-batch 8 x 1 accumulation -> 2 x 4"
+    assert verdict["cheapest_change_bytes"] < 14_000_000_000 < verdict["total_bytes"]
 
     rc = main(["estimate", "--tiny", "--seq-len", "64", "--memory", "80GB"])
     assert rc == 0 and "fits in 74.51 GiB (--memory)" in capsys.readouterr().out
