@@ -179,3 +179,30 @@ def test_a_model_id_is_loaded_before_planning(tmp_path, chat):
                                 processing_class=tok, speedup="auto")
     assert trainer.speedup_plan.model.architecture == "LlamaForCausalLM"
     assert trainer.model.config._attn_implementation == "sdpa_varlen" and trainer.speedup_status["attention"].engaged
+
+
+def test_mixin_gives_a_dpo_trainer_speedup_and_keeps_its_preference_collator(tmp_path):
+    """Not only SFT: any Trainer subclass with its own __init__ (here TRL's DPOTrainer, which also takes a
+    ref_model) gets speedup=; its own collator and data preparation stay, and the LoRA preset engages."""
+    import copy
+
+    from datasets import Dataset
+
+    from hf_speedup.features.lora import lora_layers
+    from hf_speedup.tiny import chat_tokenizer
+
+    class MyDPOTrainer(SpeedupMixin, trl.DPOTrainer):
+        pass
+
+    rows = Dataset.from_list([{"prompt": f"{i}+{i}=", "chosen": str(2 * i), "rejected": str(2 * i + 1)}
+                              for i in range(32)])
+    args = trl.DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=8, max_steps=2,
+                         logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
+                         disable_tqdm=True, dataloader_num_workers=0)
+    model = small_llama()
+    trainer = MyDPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=rows,
+                           processing_class=chat_tokenizer(), speedup=eager_preset("lora"))
+    assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"  # TRL's own
+    assert lora_layers(trainer.model) and trainer.speedup_status["lora"].engaged
+    trainer.train()
+    assert len(losses(trainer)) == 2 and all(loss == loss for loss in losses(trainer))

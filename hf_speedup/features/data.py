@@ -191,9 +191,11 @@ def _padding_free(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
     if _args_have(args, "padding_free"):  # TRL: the trainer builds the collator and prepares the data
         max_length, packing = getattr(args, "max_length", None), getattr(args, "packing", False)
         if max_length is not None and not packing and ctx.config.data.packing is not True:
-            why = (f"padding_free: {type(args).__name__}(max_length={max_length}, packing=False): TRL refuses "
-                   "padding_free there (it would not enforce max_length); set max_length=None once the data is "
-                   "truncated, or packing=True; batches keep their padding")
+            can_pack = _args_have(args, "packing")
+            why = (f"padding_free: {type(args).__name__}(max_length={max_length}"
+                   + (", packing=False" if can_pack else "") + "): TRL refuses padding_free there (it would not "
+                   "enforce max_length); set max_length=None once the data is truncated"
+                   + (", or packing=True" if can_pack else "") + "; batches keep their padding")
             return None, why, [why]
         return "trainer", (f"padding-free rows: {type(args).__name__}.padding_free=True (the trainer's own "
                            "collator flattens each batch into one row, position_ids restart per sequence)"), []
