@@ -64,6 +64,24 @@ def test_window_trace_is_chrome_json_with_the_labels_and_the_report_has_the_top_
     assert "Self CPU" in capsys.readouterr().out  # the table printed when the window closed
 
 
+def test_tensorboards_profiler_plugin_reads_the_trace(make_args, tiny_model, dataset, collator):
+    """The trace as TensorBoard's PyTorch profiler plugin (torch-tb-profiler) loads it: the file name matches its
+    worker pattern and it builds the Overview, Operator and Trace views from it."""
+    pytest.importorskip("torch_tb_profiler")
+    from torch_tb_profiler import consts
+    from torch_tb_profiler.profiler.data import RunProfileData
+    from torch_tb_profiler.profiler.run_generator import RunGenerator
+
+    trainer = profiled_trainer(make_args, tiny_model, dataset, collator)
+    trainer.train()
+    (path,) = trace_files(trainer.args.output_dir)
+    match = consts.WORKER_PATTERN.match(path.name)
+    assert match, path.name
+    data = RunProfileData.parse(match.group(1), None, str(path), str(path.parent / "tb_cache"))
+    views = [v.display_name for v in RunGenerator(match.group(1), None, data).generate_run_profile().views]
+    assert {"Overview", "Operator", "Trace"} <= set(views), views
+
+
 def test_a_run_shorter_than_the_window_says_so(make_args, tiny_model, dataset, collator):
     trainer = profiled_trainer(make_args, tiny_model, dataset, collator, max_steps=1, wait=2)
     trainer.train()
