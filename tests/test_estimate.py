@@ -329,3 +329,20 @@ def test_cli_estimate_bad_model_is_one_line(capsys):
     assert main(["estimate", "--model", "someorg/not-cached", "--seq-len", "64"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-speedup estimate: error: model = 'someorg/not-cached'") and err.count("\n") == 1
+
+
+def test_fsdp_shards_weights_gradients_and_states_by_world_size_and_offload_moves_them_off_the_gpu():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(**LLAMA3_8B)
+
+    def est(preset, world_size):
+        return estimate_memory(config, speedup=preset, batch_size=1, seq_len=2048, world_size=world_size,
+                               caps=fake_caps(**{**CUDA_H100, "world_size": world_size}))
+
+    full, sharded, offloaded = est("auto", 1), est("fsdp", 8), est("fsdp-offload", 8)
+    for item in ("weights", "gradients", "optimizer_states"):
+        assert sharded.sizes[item] == pytest.approx(full.sizes[item] / 8, rel=1e-3), item
+        assert offloaded.sizes[item] == 0, item  # CPU offload: on the host, not in GPU memory
+    assert offloaded.total_bytes < sharded.total_bytes < full.total_bytes
+    assert any("FSDP full_shard over 8 ranks" in n for n in sharded.notes)
