@@ -146,6 +146,8 @@ def estimate_described(described: tuple[ModelInfo, bool], speedup: Any, *, batch
         setup = setup.replace(fsdp=cfg.fsdp.strategy, shard_group=world_size, cpu_offload=cfg.fsdp.cpu_offload)
         notes.append(f"FSDP {cfg.fsdp.strategy} over {world_size} ranks modelled as configured (this process, "
                      f"outside a launcher, plans no sharding: {plan['fsdp'].reason})")
+    # what the plan could not do here (QLoRA without CUDA -> LoRA, 8-bit -> fused AdamW, ...) is what is estimated
+    notes += [f"{name}: {fb} (estimated as planned here)" for name, d in plan.decisions.items() for fb in d.fallbacks]
     result = estimate(info.shape, setup)
     return dataclasses.replace(result, notes=tuple(notes) + result.notes, plan_changes=tuple(changes))
 
