@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .sinks import write_json_atomically
 
 logger = logging.getLogger("hf_speedup")
 
@@ -44,20 +45,9 @@ class Carried:
 
 def write(carried: Carried, checkpoint_dir: str | Path) -> Path | None:
     """Atomically into the checkpoint; on failure a warning (a report must never end a run)."""
-    path = Path(checkpoint_dir) / STATE_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps({"version": CARRY_VERSION, **dataclasses.asdict(carried)}, default=str))
-        os.replace(tmp, path)
-        return path
-    except OSError as exc:
-        logger.warning("hf_speedup: could not write %s (%s); a resume from this checkpoint restarts the report's "
-                       "counts", path, exc)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        return None
+    return write_json_atomically(Path(checkpoint_dir) / STATE_FILE,
+                                 {"version": CARRY_VERSION, **dataclasses.asdict(carried)},
+                                 "a resume from this checkpoint restarts the report's counts")
 
 
 def read(checkpoint_dir: str | Path) -> tuple[Carried | None, str]:

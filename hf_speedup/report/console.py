@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import textwrap
 
+from ..memory_model import fmt_bytes as binary_bytes
+
 
 def _cell(v) -> str:
     if v is None:
@@ -105,14 +107,7 @@ def plan_table(report: dict, width: int = 80, max_reason_lines: int | None = Non
 
 # --------------------------------------------------------------------------------------- metrics
 def fmt_bytes(n) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
+    return "-" if n is None else binary_bytes(n)
 
 
 def fmt_num(v, digits: int = 1) -> str:

@@ -18,26 +18,29 @@ from .schema import PLAN_FIELDS, PREFIX, REPORT_FILE, Report
 logger = logging.getLogger("hf_speedup")
 
 
-def write_json(report: Report, output_dir: str | Path) -> Path | None:
-    """Write ``<output_dir>/speedup_report.json`` atomically (readers never see half a file).
-
-    On failure (read-only directory, disk full) it warns, removes its partial file and returns None.
-    """
-    path = Path(output_dir) / REPORT_FILE
+def write_json_atomically(path: Path, data: Any, consequence: str, indent: int | None = None) -> Path | None:
+    """``path`` holds the whole JSON or is left as it was (readers never see half a file). A report must
+    never end a run: on failure (read-only directory, disk full) a warning saying ``consequence``, the
+    partial file removed, and None."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        tmp.write_text(json.dumps(data, indent=indent, default=str))
         os.replace(tmp, path)
         return path
     except OSError as exc:
-        logger.warning("hf_speedup: could not write %s (%s); training goes on, the report stays in "
-                       "trainer.speedup_report", path, exc)
+        logger.warning("hf_speedup: could not write %s (%s); %s", path, exc, consequence)
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
         return None
+
+
+def write_json(report: Report, output_dir: str | Path) -> Path | None:
+    """``<output_dir>/speedup_report.json``, atomically; None (and a warning) where it cannot be written."""
+    return write_json_atomically(Path(output_dir) / REPORT_FILE, report.to_dict(),
+                                 "training goes on, the report stays in trainer.speedup_report", indent=2)
 
 
 def wandb_config_items(report: dict) -> dict:
