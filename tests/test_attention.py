@@ -127,3 +127,19 @@ def test_liger_verification_reads_the_live_model(tiny_model, monkeypatch):
     tiny_model.model.norm.__class__ = norm  # what liger's patching leaves behind
     ok, why = liger.verify(d, trainer, None)
     assert ok and why.startswith("1 Liger module(s) in the model")
+
+
+def test_the_memory_estimate_counts_no_full_logits_where_liger_computes_the_loss(tiny_model, monkeypatch):
+    """memory preset on CUDA: with Liger the loss feature stands aside, and Liger's fused linear cross-entropy
+    keeps the full logits out just as the chunked loss does; the estimate must not count them."""
+    from hf_speedup import estimate_memory
+
+    caps = fake_caps(**CUDA_H100)
+    monkeypatch.setattr(liger, "installed", lambda: False)
+    chunked = estimate_memory(tiny_model, speedup="memory", batch_size=8, seq_len=256, caps=caps)
+    stock = estimate_memory(tiny_model, speedup={"base": "memory", "loss": {"chunked": False}}, batch_size=8,
+                            seq_len=256, caps=caps)
+    monkeypatch.setattr(liger, "installed", lambda: True)
+    monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
+    fused = estimate_memory(tiny_model, speedup="memory", batch_size=8, seq_len=256, caps=caps)
+    assert fused.sizes["logits_and_loss"] == chunked.sizes["logits_and_loss"] < stock.sizes["logits_and_loss"]

@@ -72,6 +72,9 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
         chunked = bool(loss is not None and loss.active and getattr(loss.settings, "chunked", False))
         if chunked:
             chunk_tokens = getattr(loss.settings, "chunk_tokens", None) or chunk_tokens
+        liger = decisions.get("liger")
+        if not chunked and liger is not None and liger.active:  # fused linear cross-entropy: no full logits either
+            chunked = True  # modelled as the chunked loss with its default chunk
     attn = _settings(decisions, "attention")
     data = _settings(decisions, "data")
     fs = _settings(decisions, "fsdp")
