@@ -143,3 +143,32 @@ def test_the_memory_estimate_counts_no_full_logits_where_liger_computes_the_loss
     monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
     fused = estimate_memory(tiny_model, speedup="memory", batch_size=8, seq_len=256, caps=caps)
     assert fused.sizes["logits_and_loss"] == chunked.sizes["logits_and_loss"] < stock.sizes["logits_and_loss"]
+
+
+def test_a_kernel_the_model_refuses_at_apply_is_a_reported_fallback_or_with_strict_an_error(tiny_model, monkeypatch):
+    """A kernel that passed the plan's checks but that transformers refuses when set (a broken flash-attn
+    build, say): the model keeps its own, the fallback is in the report; with attention.strict it raises."""
+    from types import SimpleNamespace
+
+    from hf_speedup.features import Setup
+    from hf_speedup.plan_types import Outcome
+
+    d = plan(CPU_NO_BF16, tiny_model, get_preset("auto").replace(attention={"implementation": "eager"}))["attention"]
+    assert d.settings.implementation == "eager" and tiny_model.config._attn_implementation == "sdpa"
+
+    def refuse(*a, **k):
+        raise ImportError("flash_attn_2_cuda: undefined symbol")
+
+    monkeypatch.setattr(type(tiny_model), "set_attn_implementation", refuse)
+    outcome = Outcome()
+    attention.apply(d, Setup(model=tiny_model, args=None), outcome)
+    assert tiny_model.config._attn_implementation == "sdpa" and outcome.applied == "sdpa"
+    assert outcome.fallbacks == ["eager: transformers refused it on this model (flash_attn_2_cuda: undefined "
+                                 "symbol); the model keeps sdpa"]
+    engaged, why = attention.verify(d, SimpleNamespace(model=tiny_model), outcome)
+    assert not engaged and "transformers refused it" in why
+
+    strict = d.replace(settings=d.settings.__class__(**{**vars(d.settings), "strict": True}))
+    with pytest.raises(SpeedupConfigError, match=r"attention.implementation = 'eager': transformers refused it .*"
+                                                 r"attention.strict = true.*fix: repair the kernel's install"):
+        attention.apply(strict, Setup(model=tiny_model, args=None), Outcome())

@@ -39,6 +39,7 @@ class Settings:
     previous: str | None = None  # the model's own when the plan was made
     packed: bool = False  # the data feature makes padding-free rows
     dtype: str = "fp32"
+    strict: bool = False  # attention.strict: a kernel the model refuses at apply is an error, not a fallback
 
 
 def installed(package: str) -> bool:
@@ -155,7 +156,8 @@ def decide(ctx: PlanContext) -> Decision:
     if current == chosen:
         reason += " - already the model's"
     return Decision(NAME, requested=asked, applied=chosen, reason=reason, fallbacks=tuple(fallbacks),
-                    settings=Settings(implementation=chosen, previous=current, packed=packed, dtype=dtype))
+                    settings=Settings(implementation=chosen, previous=current, packed=packed, dtype=dtype,
+                                      strict=bool(cfg.strict)))
 
 
 def training_args(decision: Decision, args) -> dict:
@@ -171,8 +173,22 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
     if name == sdpa_varlen.NAME:
         sdpa_varlen.register()
     base = unwrap_model(setup.model)
-    if getattr(base.config, "_attn_implementation", None) != name:
-        base.set_attn_implementation(name)
+    current = getattr(base.config, "_attn_implementation", None)
+    if current != name:
+        try:
+            base.set_attn_implementation(name)
+        except (ImportError, ValueError, RuntimeError) as exc:  # e.g. a flash-attn build that does not load
+            why = str(exc).splitlines()[0] if str(exc) else repr(exc)
+            if decision.settings.strict:
+                raise SpeedupConfigError([
+                    f"attention.implementation = {name!r}: transformers refused it on this model ({why}) and "
+                    f"attention.strict = true; allowed: a kernel this install loads ({current!r} does), 'auto', "
+                    "'keep'; fix: repair the kernel's install, or set attention.strict: false to fall back"]) from exc
+            note = f"{name}: transformers refused it on this model ({why}); the model keeps {current}"
+            outcome.fallbacks.append(note)
+            outcome.applied = str(current)
+            logger.warning("hf_speedup attention fallback: %s", note)
+            return
     if name in FLASH and hasattr(setup.data_collator, "return_flash_attn_kwargs"):
         setup.data_collator.return_flash_attn_kwargs = True  # cu_seq_lens_q/k with each padding-free row
         outcome.facts["cu_seqlens"] = "in every batch (return_flash_attn_kwargs)"
@@ -187,7 +203,8 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     want = decision.settings.implementation
     text = f"config._attn_implementation={have}"
     if have != want:
-        return False, f"{text} - MISMATCH: planned {want}"
+        refused = [f for f in outcome.fallbacks if f.startswith(f"{want}: transformers refused")]
+        return False, f"{text}; {refused[0]}" if refused else f"{text} - MISMATCH: planned {want}"
     if want == sdpa_varlen.NAME:
         from transformers import AttentionInterface
 
