@@ -59,7 +59,13 @@ def planted(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_root"))
     monkeypatch.setenv("WANDB_PROJECT", "hf_speedup_secrets")
     (tmp_path / "wandb_root").mkdir()
-    return tmp_path
+    import wandb
+
+    wandb.teardown()  # settings (run directory, API key) are read afresh from this environment ...
+    yield tmp_path
+    if wandb.run is not None:
+        wandb.finish()
+    wandb.teardown()  # ... and none of them is left in wandb's process-wide singleton for the next test
 
 
 def test_stock_trainer_pickles_hub_token_so_the_scan_can_fail(make_args, dataset, collator, tmp_path):

@@ -46,6 +46,9 @@ def _history(run_dir: Path) -> list[dict]:
 
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
+    # wandb keeps the settings of its first setup (run directory included) in a process-wide singleton:
+    # tear it down so this test's environment is the one read, and leave none behind for the next test
+    wandb.teardown()
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_PROJECT", "hf_speedup_tests")
@@ -54,6 +57,7 @@ def offline_wandb(tmp_path, monkeypatch):
     yield tmp_path
     if wandb.run is not None:
         wandb.finish()
+    wandb.teardown()
 
 
 def test_wandb_run_has_plan_config_and_metric_summary(offline_wandb, tiny_model, dataset, collator, make_args):
