@@ -17,7 +17,6 @@ does), keeps RNG state (dropout recomputes identically) and works under ``torch.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from .. import compat
 from ..blocks import find_blocks
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 from .checkpointing_mechanism import block_checkpoint_fn, disable_kv_cache, enable_block_checkpointing, is_non_reentrant
+from .probe import eager_train_mode
 
 NAME = "checkpointing"
 APPLIES_TO = "model"
@@ -168,22 +168,6 @@ def _fsdp_wrapped_ids(model) -> set[int]:
     return out
 
 
-@contextlib.contextmanager
-def _eager_train_mode(model):
-    """Train mode, fresh RNG state and no compiled code, restored afterwards (verification must not
-    change training, nor trigger a compile)."""
-    modes = [(m, m.training) for m in model.modules()]
-    stance = getattr(torch.compiler, "set_stance", None)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    try:
-        with torch.random.fork_rng(devices=devices), (stance("force_eager") if stance else contextlib.nullcontext()):
-            model.train()
-            yield
-    finally:
-        for m, was in modes:
-            m.training = was
-
-
 def count_block_runs(model, seq_len: int = 8) -> dict[int, int] | None:
     """Run one tiny forward + backward and count how often each block's computation ran.
 
@@ -203,7 +187,7 @@ def count_block_runs(model, seq_len: int = 8) -> dict[int, int] | None:
     emb = model.get_input_embeddings()
     ids = torch.arange(seq_len, device=emb.weight.device).unsqueeze(0) % emb.num_embeddings
     try:
-        with _eager_train_mode(model):
+        with eager_train_mode(model):
             out = model(input_ids=ids, use_cache=False)
             logits = out.logits if hasattr(out, "logits") else out[0]
             torch.autograd.grad(logits.float().mean(), params, allow_unused=True)

@@ -26,7 +26,6 @@ loss uninstalls it (stock loss restored, reported).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ import torch
 from ..blocks import unwrap_model
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 from .chunked_cross_entropy import IGNORE_INDEX, install, installed_state, uninstall, unsupported_reason
+from .probe import eager_train_mode
 
 NAME = "loss"
 APPLIES_TO = "model"
@@ -180,7 +180,7 @@ def probe(model, state, seq_len: int = PROBE_TOKENS) -> tuple[float, float, bool
     labels = ids.clone()
     labels[:, : seq_len // 4] = IGNORE_INDEX
     calls = state.chunked_calls
-    with _probe_mode(model), torch.no_grad():
+    with eager_train_mode(model), torch.no_grad():
         torch.manual_seed(0)
         out = model(input_ids=ids, labels=labels, use_cache=False)
         took_path = state.chunked_calls > calls
@@ -192,17 +192,3 @@ def probe(model, state, seq_len: int = PROBE_TOKENS) -> tuple[float, float, bool
             state.enabled = True
             state.chunked_calls = calls
     return float(out.loss), float(stock.loss), took_path, getattr(out, "logits", None) is None
-
-
-@contextlib.contextmanager
-def _probe_mode(model):
-    modes = [(m, m.training) for m in model.modules()]
-    stance = getattr(torch.compiler, "set_stance", None)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    try:
-        with torch.random.fork_rng(devices=devices), (stance("force_eager") if stance else contextlib.nullcontext()):
-            model.train()
-            yield
-    finally:
-        for m, was in modes:
-            m.training = was
