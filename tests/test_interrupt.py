@@ -138,6 +138,11 @@ def test_sigterm_without_any_checkpoint_saves_the_step_and_resume_is_bitwise(
         {"received": "SIGTERM", "stopped_at_step": 2, "checkpoint": str(ckpt), "exit_status": 143}
     assert report["measurement"]["steps"] == 2
 
+    # as if the first segment had spent 2.5 s recompiling: the whole run's figure must carry it
+    carried = json.loads((ckpt / STATE_FILE).read_text())
+    assert carried["recompile_seconds"] == 0.0  # auto on CPU compiles nothing
+    (ckpt / STATE_FILE).write_text(json.dumps({**carried, "recompile_seconds": 2.5}))
+
     # resume into a model initialised differently: every weight must come from the checkpoint
     resumed = _trainer(make_args, dataset, collator, out, speedup="auto", max_steps=4, seed=1)
     resumed.train(resume_from_checkpoint=True)
@@ -149,6 +154,7 @@ def test_sigterm_without_any_checkpoint_saves_the_step_and_resume_is_bitwise(
     assert (m["train_runs"], m["resumed_from"]) == (2, str(ckpt))
     assert [s[0] for s in final["step_times"]] == [1, 2, 3, 4]
     assert final["metrics"]["recompiles"] == ref_report["metrics"]["recompiles"]
+    assert final["metrics"]["recompile_seconds"] == 2.5  # carried over, plus none in the resumed segment
 
 
 @pytest.mark.parametrize("name, status", [("SIGINT", 130), ("SIGUSR1", 138)])

@@ -34,6 +34,7 @@ class Carried:
     samples: int = 0
     wall_seconds: float = 0.0
     compile_seconds: float = 0.0
+    recompile_seconds: float = 0.0  # compile seconds after each segment's first step
     recompiles: int = 0
     graph_breaks: int = 0
     dynamo_frames: int = 0

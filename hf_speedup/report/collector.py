@@ -231,6 +231,7 @@ class SpeedupCallback(TrainerCallback):
             tokens=c.tokens + agg["tokens"], samples=c.samples + agg["samples"],
             wall_seconds=c.wall_seconds + (time.perf_counter() - self.t_begin),
             compile_seconds=c.compile_seconds + dyn["compile_seconds"], recompiles=c.recompiles + dyn["recompiles"],
+            recompile_seconds=c.recompile_seconds + (self._recompile_seconds() or 0.0),
             graph_breaks=c.graph_breaks + dyn["graph_breaks"], dynamo_frames=c.dynamo_frames + dyn["frames"],
             warmup_global_steps=(c.warmup_global_steps + self.warmup_global)[:64], steady_step_times=steady,
             history=_thin(history, self.max_history), step_times=_thin(series, self.max_step_times))
@@ -263,7 +264,7 @@ class SpeedupCallback(TrainerCallback):
             "peak_memory_allocated_bytes": agg["peak_memory_allocated_bytes"],
             "peak_memory_reserved_bytes": agg["peak_memory_reserved_bytes"],
             "compile_seconds": round(total.compile_seconds, 6),
-            "recompile_seconds": self._recompile_seconds(),
+            "recompile_seconds": total.recompile_seconds if self._recompile_seconds() is not None else None,
             "recompiles": total.recompiles,
             "graph_breaks": total.graph_breaks,
             "compiled_regions": M.compiled_regions(getattr(trainer, "model_wrapped", None), trainer.model),
