@@ -297,8 +297,12 @@ def test_model_shape_reads_a_tied_gqa_model():
 
 
 # ------------------------------------------------------------------------------------------------ CLI
-def test_cli_estimate_prints_the_table_and_the_cheapest_change(capsys):
+def test_cli_estimate_prints_the_table_and_the_cheapest_change(capsys, monkeypatch):
+    import hf_speedup.hardware as hardware
     from hf_speedup.cli import main
+
+    # the CLI plans for this machine: pin the CPU path (fp32, no AMX) so the numbers are the same on every CPU
+    monkeypatch.setattr(hardware, "_cpu_bf16", lambda: (False, "faked for the test: CPU without AMX"))
 
     config = json.dumps({**LLAMA3_8B, "num_hidden_layers": 2, "vocab_size": 32000})
     rc = main(["estimate", "--config", config, "--seq-len", "1024", "--batch-size", "8", "--memory", "2GB"])
