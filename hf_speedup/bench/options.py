@@ -196,11 +196,14 @@ def _model_problems(model: str) -> list[str]:
     try:
         from transformers import AutoConfig
 
-        AutoConfig.from_pretrained(model)
+        from ..loading import split_gguf
+
+        path, gguf_file = split_gguf(model, {})  # a .gguf file reads its config from the file, as load_model does
+        AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
     except Exception as exc:  # noqa: BLE001 - any failure to find it is the same problem for the user
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return [f"--model = {model!r}: its config cannot be loaded ({first[:200]}); allowed: a hub id or a local "
-                "folder with config.json; fix: check the id or path (or use --tiny / --config)"]
+        return [f"--model = {model!r}: its config cannot be loaded ({first[:200]}); allowed: a hub id, a local "
+                "folder with config.json or a .gguf file; fix: check the id or path (or use --tiny / --config)"]
     return []
 
 
