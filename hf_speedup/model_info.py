@@ -32,6 +32,7 @@ class ModelInfo:
     attention_kernels: tuple[str, ...] = ()  # what the class declares: sdpa, flash_attention, flex_attention, interface
     packed_sequences: bool = False  # padding-free rows (position_ids restarting per sequence) are kept apart
     packed_reason: str = ""
+    sliding_window: int | None = None  # attention limited to the last N tokens in some or all layers
     shape: ModelShape | None = None  # the sizes memory estimates need (memory_model)
     extra: dict = field(default_factory=dict)
 
@@ -159,7 +160,19 @@ def attention_facts(model: nn.Module) -> dict:
         packed, why = True, (f"{cls.__name__} builds masks with create_causal_mask (sequences found from restarting "
                              "position_ids) and dispatches attention through AttentionInterface")
     return {"attn_implementation": impl, "attention_kernels": tuple(kernels), "packed_sequences": packed,
-            "packed_reason": why}
+            "packed_reason": why, "sliding_window": _sliding_window(cfg)}
+
+
+def _sliding_window(cfg) -> int | None:
+    """The window of the layers that use one (Mistral, Gemma 2/3, Qwen2 with use_sliding_window), else None."""
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    window = getattr(text, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(text, "use_sliding_window", True) else None
 
 
 def _bidirectional(cfg) -> bool:

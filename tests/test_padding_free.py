@@ -69,6 +69,28 @@ def test_logits_and_loss_equal_the_padded_batch_per_sequence(impl, collator):
     torch.testing.assert_close(out_flat.loss, out_pad.loss, rtol=1e-6, atol=1e-6)
 
 
+def test_sliding_window_models_get_a_kernel_that_keeps_the_window(collator, make_args):
+    """Mistral-style sliding windows: sdpa_varlen would attend past the window, so the plan takes sdpa (the
+    mask transformers builds keeps both the window and the sequences apart); packed logits = padded ones."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                                             pad_token_id=0, attn_implementation="sdpa")).eval()
+    model.config.use_cache = False
+    d = build_plan("auto", caps=fake_caps(**CPU_NO_BF16), model=model, args=make_args())["attention"]
+    assert d.settings.implementation == "sdpa", d.reason
+    assert "sdpa_varlen: MistralForCausalLM attends within a sliding window of 4 tokens" in d.reason
+
+    feats = examples()
+    flat = pf.flattening_collator(collator, None)[0](feats)
+    with torch.no_grad():
+        out_flat, out_pad = model(**flat), model(**collator(feats))
+    for i, (got, n) in enumerate(zip(per_sequence(out_flat.logits, LENGTHS), LENGTHS)):
+        torch.testing.assert_close(got, out_pad.logits[i, :n], rtol=1e-5, atol=1e-5, msg=f"sequence {i}")
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "sdpa_varlen"])
 def test_perturbing_one_sequence_moves_only_its_own_logits(impl):
     feats = examples()

@@ -76,6 +76,9 @@ def usable(name: str, caps, info, dtype: str, packed: bool) -> tuple[bool, str]:
     if name == "sdpa_varlen":
         if caps.device_type != "cpu":
             return False, f"sdpa_varlen runs torch's CPU flash kernel; this is {caps.device_type}"
+        if getattr(info, "sliding_window", None):
+            return False, (f"{info.architecture} attends within a sliding window of {info.sliding_window} tokens; "
+                           "sdpa_varlen computes full causal attention per sequence")
         return True, ""
     if name == "sdpa" and "sdpa" not in kernels:
         return False, f"{info.architecture} has no sdpa support"
