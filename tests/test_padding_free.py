@@ -319,3 +319,18 @@ def test_recompiles_stay_bounded_over_200_ragged_steps(make_args, collator):
     assert pf_run["metrics"]["recompiles"] <= 2, pf_run["metrics"]
     assert pf_run["plan"]["compile"]["engaged"] and pf_run["plan"]["data"]["engaged"]
     assert runs["padded_static"]["metrics"]["recompiles"] > 2  # the bound is not trivially met
+
+
+def test_a_collator_subclass_is_not_flattened_behind_its_back(tokenizer):
+    """A subclass may mask prompt labels in its own torch_call: flattening it as its base would train on them."""
+    from transformers import DataCollatorForLanguageModeling
+
+    class CompletionOnly(DataCollatorForLanguageModeling):
+        def torch_call(self, examples):
+            batch = super().torch_call(examples)
+            batch["labels"][:, :2] = -100  # the prompt
+            return batch
+
+    new, why = pf.flattening_collator(CompletionOnly(tokenizer, mlm=False), None)
+    assert new is None
+    assert why.startswith("CompletionOnly subclasses DataCollatorForLanguageModeling: it may make its labels")

@@ -81,6 +81,13 @@ def _known_kind(collator) -> tuple[str | None, Any, str]:
                               DefaultDataCollator, default_data_collator)
 
     name = type(collator).__name__
+    known = (DataCollatorForLanguageModeling, DataCollatorForSeq2Seq, DataCollatorWithPadding, DefaultDataCollator)
+    base = next((k for k in known if isinstance(collator, k)), None)
+    if base is not None and type(collator) is not base:  # its own code may make labels differently (prompt masks)
+        return None, None, (f"{name} subclasses {base.__name__}: it may make its labels its own way (a completion-only "
+                            "mask, say), which a flattened row would lose; hf_speedup flattens only the classes "
+                            "themselves; fix: pass DataCollatorWithFlattening-style rows yourself, or set "
+                            "data.padding_free: false to silence this")
     if isinstance(collator, DataCollatorForLanguageModeling):
         if getattr(collator, "mlm", False):
             return None, None, f"{name}(mlm=True) masks tokens for masked-LM training, not a causal LM"
