@@ -155,6 +155,11 @@ def test_chunked_loss_is_the_last_step_and_8bit_is_skipped_where_it_cannot_run(t
     assert plan["loss"].active and plan["loss"].settings.chunked
     assert plan["checkpointing"].settings.every_n_blocks == 1 and plan["optimizer"].applied == "adamw_fused"
 
+    # an explicit loss.chunked: false is the user's choice: the budget does not turn it on, it says nothing fits
+    with pytest.raises(SpeedupConfigError, match=r"memory.budget = .* no configuration hf_speedup may choose"):
+        build_plan({**base, "loss": {"chunked": False}, "memory": {"budget": leanest_stock - 1, "seq_len": 512}},
+                   cpu, info, args)
+
 
 # ------------------------------------------------------------------------------------- a real trainer
 def test_trainer_takes_the_budgets_micro_batch_and_reports_it(tmp_path, tokenizer, dataset, collator):

@@ -241,7 +241,10 @@ def _levels(trial: _Trial) -> list[tuple[str, dict, str | None]]:
         ok, why = optimizer.runnable("adamw_8bit", ctx.caps)
         changes = {**changes, "optimizer.name": "adamw_8bit"} if ok else changes
         levels.append(("+ 8-bit AdamW states", dict(changes), None if ok else why))
-    if getattr(ctx.config, "loss", None) is not None and not loss_would_chunk(ctx, ctx.config):
+    if getattr(ctx.config, "loss", None) is not None and ctx.config.loss.chunked is False:
+        levels.append(("+ chunked cross-entropy", dict(changes), "loss.chunked: false in your config (auto lets the "
+                                                                 "budget choose it)"))
+    elif getattr(ctx.config, "loss", None) is not None and not loss_would_chunk(ctx, ctx.config):
         chunk = {**changes, "loss.chunked": True}
         ok = loss_would_chunk(ctx, trial.config(chunk))
         levels.append(("+ chunked cross-entropy", chunk if ok else dict(changes),
