@@ -324,3 +324,17 @@ def test_unreadable_carried_counters_are_a_warning_not_an_error(tmp_path, caplog
     saved = carry.Carried(global_step=4, segments=1, steps=4, tokens=100)
     assert carry.write(saved, tmp_path) == tmp_path / STATE_FILE
     assert carry.read(tmp_path)[0] == saved
+
+
+def test_a_failed_start_puts_the_previous_handlers_back(make_args, dataset, collator, tmp_path, own_handlers,
+                                                        monkeypatch):
+    """If setting up the ranks' agreement fails when train() starts, the error goes up and Ctrl-C works again."""
+    trainer = _trainer(make_args, dataset, collator, tmp_path, max_steps=1)
+
+    def broken(cls, trainer):
+        raise RuntimeError("gloo is not available")
+
+    monkeypatch.setattr(interrupt._RankAgreement, "create", classmethod(broken))
+    with pytest.raises(RuntimeError, match="gloo is not available"):
+        trainer.train()
+    assert {n: signal.getsignal(getattr(signal, n)) for n in HANDLED} == own_handlers

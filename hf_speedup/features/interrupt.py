@@ -274,7 +274,11 @@ class InterruptCallback(TrainerCallback):
             facts["left_alone"] = left_alone
         if previous_names:
             facts["previous_handlers"] = previous_names
-        self.agreement = _RankAgreement.create(trainer)
+        try:
+            self.agreement = _RankAgreement.create(trainer)
+        except BaseException:
+            self.restore()  # never leave the handlers behind a failed start: Ctrl-C must stop the process again
+            raise
         if self.agreement is not None:
             facts["agreement"] = ("all-reduce (MAX) of one integer per optimizer step over the "
                                   f"{self.agreement.description}")
