@@ -20,6 +20,7 @@ from typing import Any
 
 from trl import SFTConfig, SFTTrainer
 
+from .features.data import EXPLICIT_ARGS_ATTR
 from .trainer import SpeedupMixin
 
 
@@ -35,6 +36,9 @@ class SpeedupSFTTrainer(SpeedupMixin, SFTTrainer):
         if not isinstance(args, SFTConfig):
             values = args.to_dict()
             values["hub_token"] = args.hub_token  # to_dict hides it
-            return SFTConfig(**values)
+            converted = SFTConfig(**values)
+            if hasattr(args, EXPLICIT_ARGS_ATTR):  # what training_arguments() recorded as the caller's own choices
+                setattr(converted, EXPLICIT_ARGS_ATTR, getattr(args, EXPLICIT_ARGS_ATTR))
+            return converted
         return args
 

@@ -206,3 +206,18 @@ def test_mixin_gives_a_dpo_trainer_speedup_and_keeps_its_preference_collator(tmp
     assert lora_layers(trainer.model) and trainer.speedup_status["lora"].engaged
     trainer.train()
     assert len(losses(trainer)) == 2 and all(loss == loss for loss in losses(trainer))
+
+
+def test_explicit_choices_of_training_arguments_survive_the_sft_config_conversion(tmp_path, chat):
+    """training_arguments(..., dataloader_drop_last=False) records the caller's choice; SpeedupSFTTrainer
+    converts the TrainingArguments to an SFTConfig and must keep that record (the fast preset wants True)."""
+    from hf_speedup import SpeedupSFTTrainer, training_arguments
+
+    ds, tok = chat
+    args = training_arguments("baseline", output_dir=str(tmp_path / "o"), use_cpu=True, max_steps=1, report_to=[],
+                              per_device_train_batch_size=8, dataloader_drop_last=False, save_strategy="no")
+    trainer = SpeedupSFTTrainer(model=small_llama(), args=args, train_dataset=ds, processing_class=tok,
+                                speedup={"base": "fast", "compile": {"enabled": False},
+                                         "data": {"padding_free": False}})
+    assert trainer.args.dataloader_drop_last is False
+    assert "kept your TrainingArguments.dataloader_drop_last=False" in trainer.speedup_status["data"].reason
