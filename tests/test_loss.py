@@ -339,3 +339,38 @@ def test_lora_model_takes_the_chunked_path_under_peft(make_args, dataset, collat
     state = trainer.speedup_status["loss"]
     assert state.engaged and "2 training forward(s) took it" in state.engaged_reason, state.engaged_reason
     assert installed_state(trainer.model).head.weight.grad is None  # frozen head: no weight gradient computed
+
+
+def test_a_probe_that_fails_is_not_taken_for_success(monkeypatch):
+    """The chunked path could not be compared with the stock loss: not engaged, uninstalled, reported."""
+    from types import SimpleNamespace
+
+    from hf_speedup.plan_types import Outcome
+
+    model = small_llama()
+    decision = build_plan("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
+    assert decision.settings.chunked
+    install(model, decision.settings.chunk_tokens)
+
+    def broken(*a, **k):
+        raise RuntimeError("shape '[-1, 32000]' is invalid for input of size 61440")
+
+    monkeypatch.setattr(loss_feature, "probe", broken)
+    outcome = Outcome()
+    trainer = SimpleNamespace(model=model, state=SimpleNamespace(global_step=0), args=SimpleNamespace(world_size=1))
+    engaged, why = loss_feature.verify(decision, trainer, outcome)
+    assert not engaged and why.startswith("a probe forward with labels failed (RuntimeError: shape")
+    assert installed_state(model) is None and outcome.fallbacks == [f"chunked: {why}"]
+
+
+def test_uninstall_keeps_a_forward_another_library_put_on_top():
+    """TRL wraps the model's forward after hf_speedup did: taking the chunked loss out must not take TRL's."""
+    from types import MethodType
+
+    model = small_llama()
+    head = model.get_output_embeddings()
+    install(model, 64)
+    theirs = MethodType(lambda self, *a, **k: "theirs", model)
+    model.forward = theirs
+    assert uninstall(model)
+    assert vars(model)["forward"] is theirs and "forward" not in vars(head)

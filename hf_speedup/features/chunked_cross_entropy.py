@@ -208,7 +208,8 @@ def uninstall(model) -> bool:
     if state is None:
         return False
     for module in (base, state.head):
-        vars(module).pop("forward", None)
+        if _installed_forward(module):  # another library may have wrapped it since (TRL's fused lm_head): keep that
+            vars(module).pop("forward", None)
     vars(state.head).pop(DEFER_ATTR, None)
     if state.had_own_loss:
         base.loss_function = state.stock_loss
@@ -216,6 +217,11 @@ def uninstall(model) -> bool:
         vars(base).pop("_loss_function", None)
     vars(base).pop(STATE_ATTR, None)
     return True
+
+
+def _installed_forward(module) -> bool:
+    func = getattr(vars(module).get("forward"), "__func__", None)
+    return func is _deferred_head_forward or getattr(func, "hf_speedup_chunked", False)
 
 
 def _deferred_head_forward(self, hidden_states):
@@ -243,6 +249,7 @@ def _chunking_forward(stock_forward):
         return _without_logits(out)
 
     forward._hf_speedup = True
+    forward.hf_speedup_chunked = True  # uninstall removes only what install put there
     return forward
 
 

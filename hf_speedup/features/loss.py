@@ -141,8 +141,14 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return True, f"{what} installed on the live model ({why}){used}"
     try:
         chunked, stock, took_path, logits_none = probe(model, state)
-    except Exception as exc:  # an unusual forward signature must not hide a structural success
-        return True, f"{what} installed (probe forward failed, checked structurally only: {exc!r}){used}"
+    except Exception as exc:  # the chunked path could not be shown to give the stock loss: not trusted
+        uninstall(model)
+        first = str(exc).splitlines()[0][:160] if str(exc) else ""
+        text = (f"a probe forward with labels failed ({type(exc).__name__}: {first}), so the chunked loss could not "
+                "be checked against the stock one: uninstalled, the stock loss is back")
+        outcome.fallbacks.append(f"chunked: {text}")
+        logger.warning("hf_speedup loss: %s", text)
+        return False, text
     rel = abs(chunked - stock) / max(abs(stock), 1e-12)
     tol = PROBE_REL.get(state.head.weight.dtype, 1e-2)
     outcome.facts["probe_relative_difference"] = rel
