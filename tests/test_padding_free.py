@@ -334,3 +334,11 @@ def test_a_collator_subclass_is_not_flattened_behind_its_back(tokenizer):
     new, why = pf.flattening_collator(CompletionOnly(tokenizer, mlm=False), None)
     assert new is None
     assert why.startswith("CompletionOnly subclasses DataCollatorForLanguageModeling: it may make its labels")
+
+
+def test_labels_under_another_name_are_kept_and_mixed_labels_are_one_clear_error():
+    collate = pf.PaddingFreeCollator("features")
+    batch = collate([{"input_ids": [1, 5, 6], "label_ids": [1, 5, 6]}, {"input_ids": [1, 7], "label_ids": [-100, 7]}])
+    assert batch["labels"].tolist() == [[-100, 5, 6, -100, 7]]
+    with pytest.raises(ValueError, match=r"some examples carry 'labels' and others do not; fix: give every example"):
+        collate([{"input_ids": [1, 5], "labels": [1, 5]}, {"input_ids": [1, 7]}])

@@ -46,6 +46,9 @@ class PaddingFreeCollator(DataCollatorWithFlattening):
     def __call__(self, features, return_tensors=None, separator_id=None):
         rows = [_real_tokens(f) for f in features]
         has_labels = all("labels" in r for r in rows)
+        if not has_labels and any("labels" in r for r in rows) and self.labels == "features":
+            raise ValueError("padding-free batch: some examples carry 'labels' and others do not; fix: give every "
+                             "example its labels (or none, for a collator that makes them from input_ids)")
         if self.labels == "input_ids":
             pad = self.pad_token_id
             rows = [{"input_ids": r["input_ids"],
@@ -66,6 +69,8 @@ def _as_list(x) -> list:
 def _real_tokens(feature: dict) -> dict:
     """The example without its padding (right or left), as plain lists."""
     out = {k: _as_list(feature[k]) for k in ("input_ids", "labels") if k in feature}
+    if "labels" not in out and "label_ids" in feature:  # the name the replaced collators also accept
+        out["labels"] = _as_list(feature["label_ids"])
     mask = feature.get("attention_mask")
     if mask is not None:
         keep = [i for i, m in enumerate(_as_list(mask)) if m]
