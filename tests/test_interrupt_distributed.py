@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import launch_env
+
 pytestmark = [pytest.mark.distributed]
 if importlib.util.find_spec("pytest_timeout") is not None:
     pytestmark.append(pytest.mark.timeout(900))
@@ -34,15 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist" / "interrupt_train.py"
 HUB_TOKEN = "hf_planted_distributed_token_91c2"
 STEPS = 8
-
-
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-               WANDB_MODE="offline", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
 
 
 def _torchrun(out: Path, tag: str, *extra: str) -> list[str]:
@@ -58,7 +50,7 @@ def _ranks(out: Path, tag: str) -> list[dict]:
 
 
 def _launch(out: Path, tag: str, *extra: str, expect_ok: bool = True) -> list[dict]:
-    proc = subprocess.run(_torchrun(out, tag, *extra), cwd=ROOT, env=_env(), capture_output=True, text=True,
+    proc = subprocess.run(_torchrun(out, tag, *extra), cwd=ROOT, env=launch_env(), capture_output=True, text=True,
                           timeout=540)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{tag} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
@@ -118,7 +110,7 @@ def test_resume_reproduces_the_uninterrupted_losses_bitwise(runs):
 def test_sigterm_to_torchrun_reaches_every_rank_which_stop_at_one_step(tmp_path):
     out = tmp_path
     cmd = _torchrun(out, "ext", "--max-steps", "60", "--marker-at", "2", "--slow", "0.3", "--as-if-nccl")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 400
     while not (out / "ext.ready").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

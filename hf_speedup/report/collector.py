@@ -221,6 +221,8 @@ class SpeedupCallback(TrainerCallback):
         lists thinned to the collector's limits, as written into a checkpoint)."""
         c = self.carried
         dyn = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())
+        first = self.first_step_compile_seconds  # the cold compile; what came after it is recompiling
+        recompiled = max(0.0, dyn["compile_seconds"] - first) if first is not None else 0.0
         steady = c.steady_step_times + [t for i, t in enumerate(self.step_times) if i not in self.warmup]
         history, series = c.history + list(self.history.items), c.step_times + list(self.step_series.items)
         if bounded:
@@ -231,7 +233,7 @@ class SpeedupCallback(TrainerCallback):
             tokens=c.tokens + agg["tokens"], samples=c.samples + agg["samples"],
             wall_seconds=c.wall_seconds + (time.perf_counter() - self.t_begin),
             compile_seconds=c.compile_seconds + dyn["compile_seconds"], recompiles=c.recompiles + dyn["recompiles"],
-            recompile_seconds=c.recompile_seconds + (self._recompile_seconds() or 0.0),
+            recompile_seconds=round(c.recompile_seconds + recompiled, 6),
             graph_breaks=c.graph_breaks + dyn["graph_breaks"], dynamo_frames=c.dynamo_frames + dyn["frames"],
             warmup_global_steps=(c.warmup_global_steps + self.warmup_global)[:64], steady_step_times=steady,
             history=_thin(history, self.max_history), step_times=_thin(series, self.max_step_times))
@@ -264,7 +266,7 @@ class SpeedupCallback(TrainerCallback):
             "peak_memory_allocated_bytes": agg["peak_memory_allocated_bytes"],
             "peak_memory_reserved_bytes": agg["peak_memory_reserved_bytes"],
             "compile_seconds": round(total.compile_seconds, 6),
-            "recompile_seconds": total.recompile_seconds if self._recompile_seconds() is not None else None,
+            "recompile_seconds": total.recompile_seconds if self.first_step_compile_seconds is not None else None,
             "recompiles": total.recompiles,
             "graph_breaks": total.graph_breaks,
             "compiled_regions": M.compiled_regions(getattr(trainer, "model_wrapped", None), trainer.model),
@@ -330,13 +332,6 @@ class SpeedupCallback(TrainerCallback):
             sinks.to_wandb(report.to_dict(), summary=False)
             sinks.write_json(report, args.output_dir)
         self.t_begin = self.t_last = time.perf_counter()
-
-    def _recompile_seconds(self) -> float | None:
-        """Compile seconds spent after the first step of this run (the first one's is the cold compile)."""
-        if self.first_step_compile_seconds is None:
-            return None
-        now = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())["compile_seconds"]
-        return round(max(0.0, now - self.first_step_compile_seconds), 6)
 
     @_never_breaks_training()
     def on_step_begin(self, args, state, control, **kwargs):
