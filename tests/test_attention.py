@@ -123,10 +123,47 @@ def test_liger_verification_reads_the_live_model(tiny_model, monkeypatch):
     trainer = SimpleNamespace(model=tiny_model, args=SimpleNamespace(use_liger_kernel=True))
     ok, why = liger.verify(d, trainer, None)
     assert not ok and "not patched yet" in why
-    norm = type("LigerRMSNorm", (type(tiny_model.model.norm),), {"__module__": "liger_kernel.transformers.rms_norm"})
-    tiny_model.model.norm.__class__ = norm  # what liger's patching leaves behind
+    # liger-kernel patches a live model by binding its forwards onto the instances; the classes stay stock
+    liger_forward = _function_from("liger_kernel.transformers.rms_norm", "forward")
+    tiny_model.model.norm.__dict__["forward"] = liger_forward.__get__(tiny_model.model.norm)
     ok, why = liger.verify(d, trainer, None)
-    assert ok and why.startswith("1 Liger module(s) in the model")
+    assert ok and why.startswith("1 Liger module(s) in the model, rotary stock, loss stock")
+    # models built after that patching get Liger's classes
+    first = tiny_model.model.layers[0].input_layernorm
+    first.__class__ = type("LigerRMSNorm", (type(first),), {"__module__": "liger_kernel.transformers.rms_norm"})
+    ok, why = liger.verify(d, trainer, None)
+    assert ok and why.startswith("2 Liger module(s)")
+    tiny_model.__dict__["forward"] = _function_from("liger_kernel.transformers.model.llama", "lce_forward").__get__(
+        tiny_model)
+    assert liger.verify(d, trainer, None)[1].endswith("loss fused linear cross-entropy")
+
+
+def _function_from(module: str, name: str):
+    namespace: dict = {"__name__": module}
+    exec(f"def {name}(self, *args, **kwargs):\n    return None", namespace)
+    return namespace[name]
+
+
+def test_liger_verification_reads_what_the_real_liger_kernel_patches():
+    """With liger-kernel installed, transformers' own switch patches a tiny Llama on CPU (patching runs no kernel)
+    and the verification counts what it left. In a child process: Liger's patching is process-wide."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("liger_kernel")
+    script = textwrap.dedent("""
+        from types import SimpleNamespace
+        from transformers.integrations.liger import apply_liger_kernel
+        from hf_speedup.features import liger
+        from hf_speedup.tiny import tiny_llama
+        model = tiny_llama()
+        apply_liger_kernel(model, None)
+        decision = SimpleNamespace(active=True, reason="")
+        print(liger.verify(decision, SimpleNamespace(model=model, args=SimpleNamespace(use_liger_kernel=True)), None))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert "(True, '13 Liger module(s) in the model, rotary Liger, loss fused linear cross-entropy')" in out
 
 
 def test_the_memory_estimate_counts_no_full_logits_where_liger_computes_the_loss(tiny_model, monkeypatch):

@@ -80,15 +80,24 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
     """Nothing here: the Trainer applies Liger at the start of ``train()`` (``use_liger_kernel``)."""
 
 
+def _from_liger(fn) -> bool:
+    fn = getattr(fn, "__func__", fn)
+    return (getattr(fn, "__module__", "") or "").startswith(PACKAGE)
+
+
+def _patched_by_liger(module) -> bool:
+    """Liger patches a live model by binding its forwards onto the instances (the class stays stock); models
+    built after that get its module classes."""
+    return type(module).__module__.startswith(PACKAGE) or _from_liger(module.__dict__.get("forward"))
+
+
 def liger_parts(model) -> dict[str, int | bool]:
-    """What of Liger is in the live model: patched module count, rotary function, fused-loss forward."""
+    """What of Liger is in the live model: patched block-module count, rotary function, fused-loss forward."""
     base = unwrap_model(model)
-    modules = sum(1 for m in base.modules() if type(m).__module__.startswith(PACKAGE))
+    modules = sum(1 for m in base.modules() if m is not base and _patched_by_liger(m))
     modeling = sys.modules.get(type(base).__module__)
-    rope = getattr(getattr(modeling, "apply_rotary_pos_emb", None), "__module__", "") or ""
-    forward = getattr(getattr(base, "forward", None), "__func__", getattr(base, "forward", None))
-    return {"modules": modules, "rope": rope.startswith(PACKAGE),
-            "fused_loss": (getattr(forward, "__module__", "") or "").startswith(PACKAGE)}
+    return {"modules": modules, "rope": _from_liger(getattr(modeling, "apply_rotary_pos_emb", None)),
+            "fused_loss": _from_liger(getattr(base, "forward", None))}
 
 
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
