@@ -88,6 +88,18 @@ def test_enable_after_cuda_init_sets_it_at_run_time_only_and_says_what_that_mean
     assert "expandable_segments:True" in get_allocator_settings()
 
 
+def test_enabling_keeps_the_users_other_allocator_settings(monkeypatch, restore_allocator):
+    """torch resets every allocator option a settings string leaves out: ours must carry the user's."""
+    monkeypatch.setattr(memory, "cuda_initialized", lambda: True)
+    set_allocator_settings("max_split_size_mb:256,garbage_collection_threshold:0.6")
+    assert memory.enable_expandable_segments({})[0]
+    assert get_allocator_settings() == "max_split_size_mb:256,garbage_collection_threshold:0.6,expandable_segments:True"
+    set_allocator_settings("expandable_segments:False")  # as torch reads it when the env was exported late
+    monkeypatch.setattr(memory, "get_allocator_settings", lambda: "")
+    assert memory.enable_expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})[0]
+    assert get_allocator_settings() == "max_split_size_mb:128,expandable_segments:True"
+
+
 def test_verify_reads_the_allocator_and_the_trainer_args(restore_allocator):
     d = plan_for(CUDA_H100)
     set_allocator_settings("expandable_segments:False")

@@ -92,7 +92,9 @@ def enable_expandable_segments(environ: MutableMapping[str, str] | None = None) 
     early = not cuda_initialized()
     if early:
         environ.update(allocator_env(True, environ))
-    live = set_allocator_settings(EXPANDABLE)
+    # torch resets every allocator option the string leaves out, so the user's others go in with ours
+    in_force = get_allocator_settings() or next((environ[v] for v in ENV_VARS if environ.get(v)), "")
+    live = set_allocator_settings(_merge(in_force, "expandable_segments", "True"))
     if early:
         return True, f"exported {ENV_VARS[0]}/{ENV_VARS[1]}={environ[ENV_VARS[0]]} before CUDA initialised"
     if live:
