@@ -115,6 +115,18 @@ def tf32_matmul_enabled() -> bool:
         return False
 
 
+def set_tf32(enable: bool) -> None:
+    """TF32 for fp32 matmuls through transformers' own switch, past its per-value cache (``lru_cache``), which
+    skips a value it has seen before even when another value was set since."""
+    try:
+        from transformers.utils.import_utils import enable_tf32
+    except ImportError:  # transformers without it: the legacy flags it would set
+        torch.backends.cuda.matmul.allow_tf32 = enable
+        torch.backends.cudnn.allow_tf32 = enable
+        return
+    getattr(enable_tf32, "__wrapped__", enable_tf32)(enable)
+
+
 def get_allocator_settings() -> str | None:
     """The caching-allocator settings string in force (torch >= 2.9), or None where torch cannot say."""
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)

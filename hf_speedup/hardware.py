@@ -18,7 +18,8 @@ class Capabilities:
     bf16: bool = False  # bf16 runs natively *and fast* (Ampere+ GPU, AMX CPU)
     bf16_reason: str = ""
     fp16: bool = False  # fp16 tensor cores (CUDA)
-    tf32: bool = False  # Ampere+ CUDA
+    tf32: bool = False  # Ampere+ NVIDIA (transformers refuses tf32 under ROCm)
+    rocm: bool = False  # an AMD GPU through torch's ROCm build: compute capabilities are not NVIDIA's
     fused_adamw: bool = True  # torch.optim.AdamW(fused=True) on this device
     bitsandbytes: bool = False  # importable and has a CUDA device to run on
     bitsandbytes_reason: str = ""
@@ -92,13 +93,14 @@ def probe() -> Capabilities:
         name = torch.cuda.get_device_name(idx)
         cc = torch.cuda.get_device_capability(idx)
         bf16 = torch.cuda.is_bf16_supported() and cc >= (8, 0)
+        rocm = getattr(torch.version, "hip", None) is not None  # MI300 reports 9.4, yet has no TF32 or Hopper kernels
         bnb, bnb_reason = _bitsandbytes(True)
         comp, comp_reason = _compile_ok(True)
         common["memory_bytes"] = int(torch.cuda.get_device_properties(idx).total_memory)
         return Capabilities(
             device_type="cuda", device_name=name, device_count=torch.cuda.device_count(), compute_capability=cc,
             bf16=bf16, bf16_reason=f"CUDA compute capability {cc[0]}.{cc[1]}" + ("" if bf16 else " < 8.0: no bf16"),
-            fp16=True, tf32=cc >= (8, 0), fused_adamw=True, bitsandbytes=bnb, bitsandbytes_reason=bnb_reason,
+            fp16=True, tf32=cc >= (8, 0) and not rocm, rocm=rocm, fused_adamw=True, bitsandbytes=bnb, bitsandbytes_reason=bnb_reason,
             compile=comp, compile_reason=comp_reason, **common,
         )
     bf16, bf16_reason = _cpu_bf16()

@@ -41,6 +41,14 @@ def test_cuda_picks_flash_by_generation_and_dtype(tiny_model, flash_installed, m
     assert v100.applied == "sdpa" and "needs compute capability >= 8.0" in v100.reason
 
 
+def test_an_amd_gpu_never_gets_flash_attention_3(tiny_model, flash_installed):
+    """ROCm reports MI300 as compute capability 9.4; FlashAttention-3's Hopper kernels do not run there."""
+    mi300 = dict(CUDA_H100, device_name="AMD Instinct MI300X", compute_capability=(9, 4), tf32=False, rocm=True)
+    d = plan(mi300, tiny_model, "fast")["attention"]
+    assert d.applied == "flash_attention_2"
+    assert "flash_attention_3 needs an NVIDIA Hopper GPU; this is an AMD GPU (ROCm)" in d.reason
+
+
 def test_cuda_without_flash_packages_uses_sdpa_with_the_reason(tiny_model, monkeypatch):
     monkeypatch.setattr(attention, "installed", lambda package: False)
     d = plan(CUDA_H100, tiny_model, "fast")["attention"]

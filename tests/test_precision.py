@@ -175,6 +175,46 @@ def test_verify_reports_a_mismatch_when_the_plan_is_not_in_force(tiny_model, dat
     assert engaged is False and "MISMATCH: planned bf16, in force fp32" in reason
 
 
+def _probe_a_gpu(monkeypatch, capability, hip):
+    """probe() on a GPU we are not on: torch.cuda answers as that GPU would, torch.version as its build."""
+    from types import SimpleNamespace
+
+    from hf_speedup.hardware import probe
+
+    for name, value in {"is_available": True, "device_count": 1, "get_device_name": "gpu", "is_bf16_supported": True,
+                        "get_device_capability": capability,
+                        "get_device_properties": SimpleNamespace(total_memory=192 << 30)}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _v=value, **k: _v)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
+    return probe()
+
+
+def test_an_amd_gpu_gets_no_tf32_though_its_capability_number_is_high(monkeypatch):
+    """ROCm reports MI300 as 9.4, yet transformers refuses tf32 there (TrainingArguments would raise)."""
+    mi300 = _probe_a_gpu(monkeypatch, (9, 4), hip="6.2.0")
+    assert mi300.device_type == "cuda" and mi300.rocm and mi300.bf16 and not mi300.tf32
+    d = build_plan(get_preset("baseline").replace(precision={"dtype": "auto", "tf32": True}), caps=mi300)["precision"]
+    assert d.settings.tf32 is None and "tf32" not in precision.training_args(d, None)
+    assert d.fallbacks == ("tf32: gpu is an AMD GPU (ROCm), where transformers allows no TF32",)
+    h100 = _probe_a_gpu(monkeypatch, (9, 0), hip=None)
+    assert h100.tf32 and not h100.rocm
+
+
+def test_tf32_is_set_even_where_transformers_cached_the_value(monkeypatch):
+    """transformers' enable_tf32 is cached per value: True, False, True leaves it off. apply sets it anyway."""
+    from transformers.utils.import_utils import enable_tf32
+
+    from hf_speedup.compat import tf32_matmul_enabled
+
+    monkeypatch.setattr(torch.backends, "fp32_precision", torch.backends.fp32_precision)  # put back after
+    d = plan_for(CUDA_H100)
+    assert d.settings.tf32 is True
+    enable_tf32(True), enable_tf32(False), enable_tf32(True)  # what three TrainingArguments in one process do
+    assert tf32_matmul_enabled() is False
+    precision.apply(d, None, Outcome())
+    assert tf32_matmul_enabled() is True
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_auto_engages_bf16_or_fp16_and_tf32(tiny_model, dataset, collator, make_args):

@@ -57,6 +57,8 @@ def usable(name: str, caps, info, dtype: str, packed: bool) -> tuple[bool, str]:
         if not caps.is_cuda:
             return False, f"{name} runs on CUDA GPUs; this is {caps.device_type}"
         cc = caps.compute_capability or (0, 0)
+        if name == "flash_attention_3" and caps.rocm:
+            return False, "flash_attention_3 needs an NVIDIA Hopper GPU; this is an AMD GPU (ROCm)"
         if name == "flash_attention_3" and cc[0] != 9:
             return False, f"flash_attention_3 needs a Hopper GPU (compute capability 9.x); this is {cc[0]}.{cc[1]}"
         if name == "flash_attention_2" and cc < (8, 0):

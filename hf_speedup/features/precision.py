@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..compat import tf32_matmul_enabled
+from ..compat import set_tf32, tf32_matmul_enabled
 from ..config import SpeedupConfigError
 from ..dtypes import short_name, to_dtype
 from ..plan_types import Decision, Outcome, PlanContext
@@ -204,7 +204,8 @@ def _decide_tf32(s, caps, args) -> tuple[bool | None, str, list[str]]:
     if want is False:
         return False, "tf32 off as requested", []
     if not caps.tf32:
-        note = f"tf32: {caps.device_name} has no TF32 (needs compute capability >= 8.0)"
+        note = (f"tf32: {caps.device_name} is an AMD GPU (ROCm), where transformers allows no TF32" if caps.rocm
+                else f"tf32: {caps.device_name} has no TF32 (needs compute capability >= 8.0)")
         if want is True and s.strict:
             raise _strict_error("precision.tf32", True, note, ["auto", "keep", False],
                                 "set precision.tf32: auto, or precision.strict: false")
@@ -255,7 +256,11 @@ def training_args(decision: Decision, args) -> dict:
 
 
 def apply(decision: Decision, setup, outcome: Outcome) -> None:
-    """cudnn.benchmark is process-global torch state, not a TrainingArguments field: set it here."""
+    """cudnn.benchmark is process-global torch state, not a TrainingArguments field: set it here. TF32 too is
+    set again here: transformers' ``enable_tf32`` is cached per value, so in a process that already ran with
+    another value (a notebook, a sweep) the TrainingArguments alone would leave the last run's setting."""
+    if decision.settings.tf32 is not None:
+        set_tf32(decision.settings.tf32)
     if decision.settings.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
         logger.info("hf_speedup precision: torch.backends.cudnn.benchmark = True")
