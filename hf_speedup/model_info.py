@@ -9,7 +9,7 @@ from torch import nn
 
 from .blocks import block_class_names, find_blocks, unwrap_model
 from .dtypes import long_name
-from .model_shape import ModelShape, model_shape
+from .model_shape import ModelShape, held_weights, model_shape, owners
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,6 @@ class ParamCounts:
         return asdict(self)
 
 
-def _numel(p) -> int:
-    n = p.numel()
-    # bitsandbytes 4-bit packs two weights per uint8 byte
-    if type(p).__name__ == "Params4bit" or str(getattr(p, "dtype", "")) == "torch.uint8":
-        n *= 2
-    return n
-
-
 def parameter_counts(model) -> ParamCounts:
     """Parameter counts of the live model, split the way the FLOPs formula needs them."""
     params = {}
@@ -105,9 +97,10 @@ def parameter_counts(model) -> ParamCounts:
         else:
             used_as_matmul.add(id(w))
     lookup_only = lookup - used_as_matmul
+    owner = owners(model)
     total = trainable = mm_train = mm_frozen = emb = 0
     for pid, p in params.items():
-        n = _numel(p)
+        n = held_weights(p, owner.get(id(p)))
         total += n
         if p.requires_grad:
             trainable += n

@@ -6,6 +6,7 @@ plan can estimate memory without touching the model again.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from torch import nn
@@ -66,9 +67,24 @@ def _unique_params(module: nn.Module) -> dict[int, nn.Parameter]:
     return out
 
 
-def _numel(p) -> int:
-    n = p.numel()
-    return n * 2 if type(p).__name__ == "Params4bit" else n  # 4-bit: two weights per stored byte
+def held_weights(p, owner: nn.Module | None = None) -> int:
+    """How many weights a parameter holds. bitsandbytes 4-bit packs them into the storage dtype it was loaded
+    with (2 per uint8 element, 4 per bf16 one under FSDP-QLoRA); its quant state keeps the real shape, on the
+    module too, where FSDP's sharding dropped it from the parameter."""
+    state = getattr(p, "quant_state", None)
+    if state is None:
+        state = getattr(owner, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    if shape is not None:
+        return math.prod(shape)
+    if type(p).__name__ == "Params4bit" or (type(owner).__name__ == "Linear4bit" and p is owner.weight):
+        return p.numel() * p.element_size() * 2
+    return p.numel()
+
+
+def owners(module: nn.Module) -> dict[int, nn.Module]:
+    """The module each parameter is registered on, by ``id`` (what :func:`held_weights` reads the quant state from)."""
+    return {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
 
 
 def _block_linears(block: nn.Module) -> tuple[tuple[str, int, int], ...]:
@@ -99,6 +115,11 @@ def model_shape(model: nn.Module) -> ModelShape | None:
     linears = _block_linears(blocks[0])
     inter = getattr(text, "intermediate_size", None) or max((o for _, _, o in linears), default=4 * hidden)
     params = _unique_params(model)
+    owner = owners(model)
+
+    def _numel(p) -> int:
+        return held_weights(p, owner.get(id(p)))
+
     total = sum(_numel(p) for p in params.values())
     emb = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None

@@ -275,3 +275,54 @@ def test_qlora_trains_on_gpu(tiny_model, tmp_path, make_args, dataset, collator)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0], losses
+
+
+# ----------------------------------------------------------------------------------------- a real 4-bit base
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    from hf_speedup.tiny import tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_llama(seed=0).save_pretrained(path)
+    return path
+
+
+def _load_4bit(path, storage: torch.dtype):
+    """bitsandbytes quantizes on CPU too: the real Params4bit/Linear4bit objects, no GPU needed."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_quant_storage=storage)
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map="cpu", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["uint8", "bf16"])
+def test_a_4bit_base_counts_the_weights_it_holds_whatever_its_storage(saved_tiny, storage):
+    """2 weights per uint8 element, 4 per bf16 one (the storage FSDP-QLoRA loads with): the counts behind the
+    report, MFU and the estimate must not change with the storage."""
+    from hf_speedup.model_info import parameter_counts
+    from hf_speedup.model_shape import model_shape
+    from hf_speedup.tiny import tiny_llama
+
+    full, quantized = tiny_llama(seed=0), _load_4bit(saved_tiny, storage)
+    assert type(quantized.model.layers[0].mlp.up_proj.weight).__name__ == "Params4bit"
+    assert quantized.model.layers[0].mlp.up_proj.weight.dtype == storage
+    assert parameter_counts(quantized).total == parameter_counts(full).total
+    assert model_shape(quantized).total_params == model_shape(full).total_params
+    assert model_shape(quantized).block_params == model_shape(full).block_params
+
+
+def test_qlora_is_verified_after_fsdp_turned_the_4bit_weights_into_plain_tensors(saved_tiny):
+    """FSDP2 shards a Params4bit into a DTensor, dropping its class and quant state; bitsandbytes keeps the
+    quant state on the Linear4bit module, and the verification reads it there."""
+    model, d = _wrapped(_load_4bit(saved_tiny, torch.bfloat16), lora_cfg())
+    assert d.settings.quantization == "4bit"
+    assert lora.verify(d, _T(model), Outcome())[0]
+    bases = [m.get_base_layer() for m in lora.lora_layers(model).values()]
+    for base in bases:  # what the conversion leaves: the same storage, no Params4bit
+        base.weight = torch.nn.Parameter(base.weight.data.clone(), requires_grad=False)
+    ok, why = lora.verify(d, _T(model), Outcome())
+    assert ok and "base weights Params4bit" in why, why
+    bases[0].quant_state = None  # a base that really lost its quantization is still caught
+    ok, why = lora.verify(d, _T(model), Outcome())
+    assert not ok and "1 adapted layer(s) have no Params4bit base weight" in why

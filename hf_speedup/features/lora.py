@@ -258,6 +258,14 @@ def non_adapter_trainables(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n and "modules_to_save" not in n]
 
 
+def _quantized_base(base, want: str) -> bool:
+    if type(base.weight).__name__ == want:
+        return True
+    # FSDP2 turns each Params4bit into a DTensor; bitsandbytes keeps the quant state on the module for that
+    return (want == "Params4bit" and type(base).__name__ == "Linear4bit"
+            and getattr(base, "quant_state", None) is not None)
+
+
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     model = trainer.model
     if not decision.active:
@@ -293,7 +301,7 @@ def _problems(model, decision: Decision, layers) -> list[str]:
         out.append(f"{len(extra)} base parameter(s) still train, e.g. {extra[:3]}")
     want = {"4bit": "Params4bit", "8bit": "Int8Params"}.get(decision.settings.quantization)
     if want:
-        wrong = [n for n, m in layers.items() if type(m.get_base_layer().weight).__name__ != want]
+        wrong = [n for n, m in layers.items() if not _quantized_base(m.get_base_layer(), want)]
         if wrong:
             out.append(f"{len(wrong)} adapted layer(s) have no {want} base weight, e.g. {wrong[:3]}")
     return out
