@@ -52,8 +52,20 @@ def test_an_amd_gpu_never_gets_flash_attention_3(tiny_model, flash_installed):
 def test_cuda_without_flash_packages_uses_sdpa_with_the_reason(tiny_model, monkeypatch):
     monkeypatch.setattr(attention, "installed", lambda package: False)
     d = plan(CUDA_H100, tiny_model, "fast")["attention"]
-    assert d.applied == "sdpa" and "the flash-attn package is not installed" in d.reason
+    assert d.applied == "sdpa" and "the flash-attn >= 2.3.3 package is not installed" in d.reason
     assert "block-diagonal mask" in d.reason  # padding-free rows still kept apart
+
+
+def test_a_flash_package_counts_only_where_transformers_would_load_it(monkeypatch):
+    """A ``flash_attn`` module can be flash-attn 4, or a flash-attn older than transformers takes: importable,
+    yet refused. transformers' own check decides."""
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name, *a: object())  # every module importable
+    monkeypatch.setattr(import_utils, "is_flash_attn_2_available", lambda: False)
+    monkeypatch.setattr(import_utils, "is_flash_attn_3_available", lambda: True)
+    assert not attention.installed("flash_attn") and attention.installed("flash_attn_interface")
+    assert attention.installed("some_other_kernels")
 
 
 def test_a_kernel_that_cannot_run_falls_back_and_says_so(tiny_model):
@@ -201,15 +213,16 @@ def test_a_kernel_the_model_refuses_at_apply_is_a_reported_fallback_or_with_stri
     d = plan(CPU_NO_BF16, tiny_model, get_preset("auto").replace(attention={"implementation": "eager"}))["attention"]
     assert d.settings.implementation == "eager" and tiny_model.config._attn_implementation == "sdpa"
 
-    def refuse(*a, **k):
-        raise ImportError("flash_attn_2_cuda: undefined symbol")
+    for error in (OSError("kernels-community/flash-attn2: cannot reach the hub"),  # the hub kernel it fetches
+                  ImportError("flash_attn_2_cuda: undefined symbol")):
+        def refuse(*a, _error=error, **k):
+            raise _error
 
-    monkeypatch.setattr(type(tiny_model), "set_attn_implementation", refuse)
-    outcome = Outcome()
-    attention.apply(d, Setup(model=tiny_model, args=None), outcome)
-    assert tiny_model.config._attn_implementation == "sdpa" and outcome.applied == "sdpa"
-    assert outcome.fallbacks == ["eager: transformers refused it on this model (flash_attn_2_cuda: undefined "
-                                 "symbol); the model keeps sdpa"]
+        monkeypatch.setattr(type(tiny_model), "set_attn_implementation", refuse)
+        outcome = Outcome()
+        attention.apply(d, Setup(model=tiny_model, args=None), outcome)
+        assert tiny_model.config._attn_implementation == "sdpa" and outcome.applied == "sdpa"
+        assert outcome.fallbacks == [f"eager: transformers refused it on this model ({error}); the model keeps sdpa"]
     engaged, why = attention.verify(d, SimpleNamespace(model=tiny_model), outcome)
     assert not engaged and "transformers refused it" in why
 

@@ -42,8 +42,18 @@ class Settings:
     strict: bool = False  # attention.strict: a kernel the model refuses at apply is an error, not a fallback
 
 
+# transformers' own checks: the distribution's name (flash-attn-4 also installs ``flash_attn``), its version
+# and a device; what they accept is what ``set_attn_implementation`` loads
+TRANSFORMERS_CHECKS = {"flash_attn": "is_flash_attn_2_available", "flash_attn_interface": "is_flash_attn_3_available"}
+
+
 def installed(package: str) -> bool:
-    """Whether a kernel package can be imported here (tests fake it)."""
+    """Whether transformers would load this kernel package here (tests fake it)."""
+    from transformers.utils import import_utils
+
+    check = getattr(import_utils, TRANSFORMERS_CHECKS.get(package, ""), None)
+    if check is not None:
+        return bool(check())
     return importlib.util.find_spec(package) is not None
 
 
@@ -66,8 +76,8 @@ def usable(name: str, caps, info, dtype: str, packed: bool) -> tuple[bool, str]:
         if dtype not in ("bf16", "fp16"):
             return False, f"{name} computes in bf16/fp16 and the plan trains in {dtype}"
         if not installed(PACKAGES[name]):
-            pkg = "flash-attn" if name == "flash_attention_2" else "flash-attn-3"
-            return False, f"{name}: the {pkg} package is not installed"
+            pkg = "flash-attn >= 2.3.3" if name == "flash_attention_2" else "flash-attn-3"
+            return False, f"{name}: the {pkg} package is not installed (or transformers does not accept it here)"
         return True, ""
     if name == "flex_attention":
         if "flex_attention" not in kernels:
@@ -182,7 +192,8 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
     if current != name:
         try:
             base.set_attn_implementation(name)
-        except (ImportError, ValueError, RuntimeError) as exc:  # e.g. a flash-attn build that does not load
+        except (ImportError, ValueError, RuntimeError, OSError) as exc:  # a flash-attn build that does not load,
+            # or the hub kernel transformers fetches in its place cannot be downloaded
             why = str(exc).splitlines()[0] if str(exc) else repr(exc)
             if decision.settings.strict:
                 raise SpeedupConfigError([
