@@ -11,6 +11,8 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from hf_speedup.hardware import BITSANDBYTES_ON_CPU  # noqa: E402  (after the environment it must see)
+
 
 @pytest.fixture(scope="session")
 def tokenizer():
@@ -68,7 +70,7 @@ CUDA_H100 = dict(device_type="cuda", device_name="NVIDIA H100 80GB HBM3", device
 CUDA_V100 = dict(device_type="cuda", device_name="Tesla V100-SXM2-16GB", device_count=1, compute_capability=(7, 0),
                  bf16=False, fp16=True, tf32=False, fused_adamw=True, bitsandbytes=True, compile=True)
 CPU_NO_BF16 = dict(device_type="cpu", device_name="AMD EPYC", bf16=False, bitsandbytes=False, compile=True,
-                   bitsandbytes_reason="bitsandbytes 8-bit optimizers and 4-bit quantization need a CUDA device; none here")
+                   bitsandbytes_reason=BITSANDBYTES_ON_CPU)
 CPU_AMX = dict(device_type="cpu", device_name="Intel Xeon (Sapphire Rapids)", bf16=True, bitsandbytes=False, compile=True)
 
 

@@ -52,12 +52,12 @@ def test_off_by_default_and_in_baseline(tiny_model):
 def test_qlora_without_cuda_falls_back_with_reason(tiny_model):
     d = plan_for(lora_cfg(quantization="4bit"), tiny_model)["lora"]
     assert (d.requested, d.applied, d.settings.quantization) == ("qlora", "lora", None)
-    assert d.fallbacks and d.fallbacks[0].startswith("qlora -> lora: bitsandbytes")
+    assert d.fallbacks and d.fallbacks[0].startswith("qlora -> lora: hf_speedup runs bitsandbytes on CUDA only")
     assert "CUDA" in d.reason
 
 
 def test_qlora_without_cuda_strict_raises():
-    with pytest.raises(SpeedupConfigError, match=r"lora\.quantization = '4bit' cannot be honoured: bitsandbytes.*"
+    with pytest.raises(SpeedupConfigError, match=r"lora\.quantization = '4bit' cannot be honoured: hf_speedup runs bitsandbytes on CUDA only.*"
                                                   r"allowed here: null.*fix: run on a CUDA machine"):
         plan_for(lora_cfg(quantization="4bit", strict=True), None)
 
