@@ -374,3 +374,25 @@ def test_uninstall_keeps_a_forward_another_library_put_on_top():
     model.forward = theirs
     assert uninstall(model)
     assert vars(model)["forward"] is theirs and "forward" not in vars(head)
+
+
+def test_steps_that_bypass_the_chunked_loss_are_caught_and_a_resume_is_not_taken_for_them():
+    """A trainer that computes its loss another way never calls the chunked forward: after steps in train() it
+    is not engaged. A resumed run enters train() at the checkpoint's step with no forward yet: that is not it."""
+    from types import SimpleNamespace
+
+    from hf_speedup.plan_types import Outcome
+
+    model = small_llama()
+    decision = build_plan("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
+    install(model, decision.settings.chunk_tokens)
+    outcome = Outcome()
+    trainer = SimpleNamespace(model=model, state=SimpleNamespace(global_step=0), args=SimpleNamespace(world_size=1),
+                              is_in_train=False)
+    assert loss_feature.verify(decision, trainer, outcome)[0]  # built: nothing has run yet
+    trainer.is_in_train, trainer.state.global_step = True, 10  # train() resumed from checkpoint-10
+    engaged, why = loss_feature.verify(decision, trainer, outcome)
+    assert engaged and "none of" not in why, why
+    trainer.state.global_step = 14  # four steps, none through the chunked forward
+    engaged, why = loss_feature.verify(decision, trainer, outcome)
+    assert not engaged and "but none of 4 training steps took it" in why

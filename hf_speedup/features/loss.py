@@ -121,6 +121,10 @@ def _not_applied(outcome: Outcome, why: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- verify
+def trainer_in_train(trainer) -> bool:
+    return bool(getattr(trainer, "is_in_train", False))
+
+
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if not decision.settings.chunked:
         return False, decision.reason
@@ -131,7 +135,9 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     what = f"chunked loss, {state.chunk_tokens} tokens per chunk"
     ran = state.chunked_calls
     step = getattr(getattr(trainer, "state", None), "global_step", 0) or 0
-    first = outcome.facts.setdefault("first_verified_step", step)
+    # steps count from the first check inside train(): a resumed run starts there at the checkpoint's step
+    first = outcome.facts.setdefault("first_step_in_train", step) if trainer_in_train(trainer) else \
+        outcome.facts.get("first_step_in_train", step)
     if step > first and not ran:
         return False, (f"{what} installed, but none of {step - first} training steps took it: the trainer computes "
                        "its loss another way (e.g. TRL's fused lm_head, or labels passed positionally)")
