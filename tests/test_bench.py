@@ -16,7 +16,7 @@ import pytest
 
 from hf_speedup.bench import BenchOptions, run_bench
 from hf_speedup.bench.cli import add_arguments, options_from_args
-from hf_speedup.bench.data import file_rows, make_rows, ragged_lengths, real_tokens
+from hf_speedup.bench.data import file_rows, make_rows, ragged_lengths
 from hf_speedup.bench.options import DRY_RUN_CONFIG, LLAMA_3_2_1B, PROFILES
 from hf_speedup.bench.results import COLUMNS, all_finite, markdown_table, summarize, table_rows
 from hf_speedup.bench.runner import unavailable
@@ -168,12 +168,18 @@ def test_rows_ragged_fixed_and_from_files(tokenizer, tmp_path):
         file_rows(str(bad), tokenizer, 32)
 
 
-def test_real_tokens_counts_the_mask_or_a_padding_free_row():
+def test_the_meter_counts_as_the_report_does_tokens_per_step_and_attention_length():
     import torch
 
-    padded = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])}
-    assert int(real_tokens(padded)) == 7
-    assert real_tokens({"input_ids": torch.zeros(1, 7, dtype=torch.long), "position_ids": torch.zeros(1, 7)}) == 7
+    from hf_speedup.bench.worker import TokenMeter
+
+    meter = TokenMeter()
+    meter.add({"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])})
+    meter.close_step()
+    meter.add({"input_ids": torch.zeros(1, 7, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2]])})
+    meter.close_step()
+    assert meter.per_step() == [7, 7]
+    assert meter.attention_length() == pytest.approx((25 + 4 + 16 + 9) / 14)  # lengths 5, 2 | 4, 3
 
 
 # ---------------------------------------------------------------------------------------- statistics

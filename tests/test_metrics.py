@@ -51,22 +51,57 @@ def test_token_counter_accumulates_micro_batches_on_the_batch_device():
     c.add({"input_ids": torch.ones(3, 2, dtype=torch.long), "attention_mask": torch.tensor([[1, 0], [1, 1], [0, 0]])})
     t = c.tokens_tensor()
     assert isinstance(t, torch.Tensor) and t.dtype == torch.int64  # stays a tensor until someone reads it
-    assert int(t) == 6 + 3 and c.samples == 5
+    assert int(t) == 6 + 3 and c.samples == 4  # a row with no token is no sequence
     c.reset()
     assert int(c.tokens_tensor()) == 0 and c.samples == 0
 
 
+def test_padding_free_rows_count_their_sequences_and_attention_over_each():
+    """A flattened row is its sequences: 4 samples of 100 tokens, attention over 100 tokens each, not one
+    sample whose attention spans 400."""
+    from transformers import DataCollatorWithFlattening
+
+    row = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": [1] * 100}] * 4)
+    assert row["input_ids"].shape == (1, 400)
+    tokens, samples, attended, squares = M.batch_counts(row).tolist()
+    assert (tokens, samples, attended, squares) == (400, 4, 400, 4 * 100 ** 2)
+    assert M.attention_length(attended, squares) == 100
+    assert M.flops_per_token(0, 0, 4, 64, M.attention_length(attended, squares)) == 12 * 4 * 64 * 100
+
+
+def test_padding_after_the_sequences_of_a_padded_flat_row_is_not_work():
+    """TRL's padding-free collator pads the row to a multiple: zeros in position_ids after the last sequence."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    row = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, pad_to_multiple_of=64)(
+        [{"input_ids": [5] * 10}, {"input_ids": [6] * 7}])
+    assert row["input_ids"].shape == (1, 64)
+    assert M.batch_counts(row).tolist() == [17, 2, 17, 100 + 49]
+
+
+def test_attention_length_weights_each_sequence_by_its_tokens():
+    """Lengths 100 and 10: each of the 100 tokens attends over 100, each of the 10 over 10 -> S = 10100/110."""
+    padded = {"input_ids": torch.ones(2, 100, dtype=torch.long),
+              "attention_mask": torch.tensor([[1] * 100, [1] * 10 + [0] * 90])}
+    tokens, samples, attended, squares = M.batch_counts(padded).tolist()
+    assert (tokens, samples) == (110, 2) and M.attention_length(attended, squares) == pytest.approx(10100 / 110)
+    # no mask, no positions: every row is as long as the batch, labels only say which tokens are work
+    plain = {"input_ids": torch.ones(3, 8, dtype=torch.long), "labels": torch.full((3, 8), -100)}
+    assert M.batch_counts(plain).tolist() == [0, 3, 24, 3 * 64]
+
+
 def test_aggregate_ranks_sums_tokens_and_samples_and_maxes_memory():
-    # RANK_FIELDS: tokens, samples, peak allocated, peak reserved, allocated now
-    rows = [[1000, 8, 5 << 30, 6 << 30, 4 << 30],
-            [900, 8, 7 << 30, 7 << 30, 3 << 30],
-            [1100, 8, 6 << 30, 9 << 30, 5 << 30]]
+    # RANK_FIELDS: tokens, samples, attended tokens, attended squares, peak allocated, peak reserved, allocated now
+    rows = [[1000, 8, 1000, 9000, 5 << 30, 6 << 30, 4 << 30],
+            [900, 8, 900, 8000, 7 << 30, 7 << 30, 3 << 30],
+            [1100, 8, 1100, 7000, 6 << 30, 9 << 30, 5 << 30]]
     agg = M.aggregate_ranks(rows)
     assert agg["tokens"] == 3000 and agg["samples"] == 24
+    assert agg["attended_tokens"] == 3000 and agg["attended_squares"] == 24000
     assert agg["peak_memory_allocated_bytes"] == 7 << 30
     assert agg["peak_memory_reserved_bytes"] == 9 << 30
     assert agg["memory_allocated_bytes"] == 5 << 30
-    assert M.aggregate_ranks([[5, 1, 10, 10, 10]])["tokens"] == 5
+    assert M.aggregate_ranks([[5, 1, 5, 25, 10, 10, 10]])["tokens"] == 5
 
 
 # -------------------------------------------------------------------------------------- parameters

@@ -289,8 +289,12 @@ def test_token_counts_are_exact(tiny_model, make_args, collator):
         trainer = _trainer(tiny_model, make_args, ds, collator, speedup=cfg, per_device_train_batch_size=4,
                            max_steps=2)
         trainer.train()
-        counts[name] = trainer.speedup_report.to_dict()["measurement"]["tokens"]
-    assert counts["flat"] == counts["padded"] == sum(len(f["input_ids"]) for f in feats)
+        x = trainer.speedup_report.to_dict()["measurement"]
+        counts[name] = [x[k] for k in ("tokens", "samples", "attention_sequence_length", "flops_per_token")]
+    lengths = [len(f["input_ids"]) for f in feats]
+    # the same sequences whether flattened or padded: tokens, samples, attention's length and so the FLOPs
+    assert counts["flat"] == counts["padded"]
+    assert counts["flat"][:3] == [sum(lengths), 8, pytest.approx(sum(n * n for n in lengths) / sum(lengths))]
 
 
 @pytest.mark.slow  # 230 steps: ~1 min on 2 idle cores

@@ -74,7 +74,9 @@ def test_report_of_a_training_run(tiny_model, dataset, collator, make_args, caps
     assert m["samples_per_second"] == pytest.approx(4 / m["step_time_s"])
     # MFU is null on a CPU (no peak known), the FLOPs per token are still reported, by the formula
     assert m["mfu"] is None and x["peak_flops_per_device"] is None
-    s = non_padding / 16
+    lengths = [int(n) for b in used for n in b["attention_mask"].sum(-1)]
+    s = sum(n * n for n in lengths) / sum(lengths)  # each token attends over its own sequence
+    assert x["attention_sequence_length"] == pytest.approx(s) and s > non_padding / 16
     assert x["flops_per_token"] == pytest.approx(6 * 180_800 + 12 * 4 * 64 * s)
     # memory: peak RSS on a CPU; parameters of the live model
     assert m["peak_memory_allocated_bytes"] == m["peak_memory_reserved_bytes"] > 10 << 20

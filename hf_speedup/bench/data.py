@@ -95,15 +95,3 @@ def as_dataset(rows: list[dict]):
     from datasets import Dataset
 
     return Dataset.from_list(rows)
-
-
-def real_tokens(inputs) -> object:
-    """Non-padding tokens of one batch as the trainer receives it: the ``attention_mask`` sum where there is
-    one (a device tensor: no synchronisation), else every input id (padding-free rows carry no padding)."""
-    import torch
-
-    mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        return mask.sum()
-    ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
-    return int(ids.numel()) if isinstance(ids, torch.Tensor) else 0

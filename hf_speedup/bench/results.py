@@ -7,7 +7,7 @@
 - step time: the median steady step;
 - peak memory: CUDA ``max_memory_allocated`` on GPU; on CPU live tensor bytes of one tracked step
   (torch's MemTracker) and, beside it, the process's peak RSS;
-- MFU: PaLM FLOPs per token (``report.measure.flops_per_token``, mean non-padding sequence length) x
+- MFU: PaLM FLOPs per token (``report.measure.flops_per_token``, S the token-weighted mean sequence length) x
   tokens/s / peak FLOP/s of the dtype in use; empty where the peak is unknown (CPUs, unless
   ``HF_SPEEDUP_PEAK_FLOPS`` is set);
 - cold start: process start to the end of step 1 with empty compile caches (imports, model, trainer,
@@ -106,7 +106,7 @@ def summarize(rows: dict[str, dict], options: BenchOptions) -> list[dict]:
         if rates.get(LORA_REFERENCE) and name != LORA_REFERENCE and uses_lora(row, options):
             metrics["x_stock_peft"] = ratio_stats(rates[name], rates[LORA_REFERENCE], warmup)
         if result.get("layers") is not None and result.get("tokens"):
-            seq = sum(tokens) / (len(tokens) * options.batch_size)  # mean non-padding sequence length
+            seq = result.get("attention_length") or sum(tokens) / (len(tokens) * options.batch_size)
             fpt = flops_per_token(result["matmul_trainable"], result["matmul_frozen"], result["layers"],
                                   result["attention_width"], seq)
             metrics["flops_per_token"] = fpt

@@ -19,7 +19,8 @@ import time
 import traceback
 from types import SimpleNamespace
 
-from .data import as_dataset, make_rows, real_tokens
+from ..report.measure import attention_length, batch_counts
+from .data import as_dataset, make_rows
 from .options import LORA_REFERENCE, preset_config
 
 
@@ -79,14 +80,19 @@ class TokenMeter:
         self.steps: list[list] = []
 
     def add(self, inputs) -> None:
-        self.current.append(real_tokens(inputs))
+        self.current.append(batch_counts(inputs))  # the report's own counting, on the device (no sync)
 
     def close_step(self) -> None:
         self.steps.append(self.current)
         self.current = []
 
     def per_step(self) -> list[int]:
-        return [int(sum(int(x) for x in parts)) for parts in self.steps]
+        return [int(sum(int(x[0]) for x in parts)) for parts in self.steps]
+
+    def attention_length(self) -> float | None:
+        """S of the FLOPs formula over every step: sum(L_i^2) / sum(L_i) of the sequences trained on."""
+        counts = [x for parts in self.steps for x in parts]
+        return attention_length(sum(int(x[2]) for x in counts), sum(int(x[3]) for x in counts)) if counts else None
 
 
 class _NoHook:
@@ -359,7 +365,8 @@ def summarize_trainer(spec: dict, trainer, meter: TokenMeter, memory: MemoryProb
     from ..report.measure import attention_dims, compute_dtype, dynamo_snapshot
 
     device = spec["device"]
-    out: dict = {"trainer_class": type(trainer).__name__, "tokens": meter.per_step()}
+    out: dict = {"trainer_class": type(trainer).__name__, "tokens": meter.per_step(),
+                 "attention_length": meter.attention_length()}
     if device == "cuda":
         out["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())
         out["peak_memory_source"] = "CUDA max_memory_allocated"

@@ -32,6 +32,8 @@ class Carried:
     warmup_steps: int = 0
     tokens: int = 0
     samples: int = 0
+    attended_tokens: int = 0  # sum(L_i) and sum(L_i^2) over sequences: attention's FLOPs
+    attended_squares: int = 0
     wall_seconds: float = 0.0
     compile_seconds: float = 0.0
     recompile_seconds: float = 0.0  # compile seconds after each segment's first step

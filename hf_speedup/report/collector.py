@@ -108,7 +108,7 @@ class SpeedupCallback(TrainerCallback):
         self.warmup_global: list[int] = []  # the same steps as global step numbers
         self.step_series = M.BoundedSeries(self.max_step_times)
         self.history = M.BoundedSeries(self.max_history)
-        self.last_log = {"tokens": 0, "samples": 0, "index": 0}
+        self.last_log = {**{k: 0 for k in M.COUNTS}, "index": 0}
         self.last_logged_step = -1
         self.dynamo_start = M.dynamo_snapshot()
         self.events = M.compile_events()
@@ -171,19 +171,19 @@ class SpeedupCallback(TrainerCallback):
         acc = getattr(self.trainer, "accelerator", None)
         if acc is not None and getattr(acc, "num_processes", 1) > 1:
             device = self.trainer.args.device
-            row = torch.stack([self.counter.tokens_tensor(device).to(torch.int64).reshape(()),
-                               torch.tensor(self.counter.samples, dtype=torch.int64, device=device),
-                               *[torch.tensor(mem[k], dtype=torch.int64, device=device) for k in M.RANK_FIELDS[2:]]])
+            memory = torch.tensor([mem[k] for k in M.RANK_FIELDS[len(M.COUNTS):]], dtype=torch.int64, device=device)
+            row = torch.cat([self.counter.totals_tensor(device).to(torch.int64), memory])
             rows = acc.gather(row.unsqueeze(0)).reshape(-1, len(M.RANK_FIELDS)).tolist()
         else:
-            rows = [[int(self.counter.tokens_tensor()), self.counter.samples, *[mem[k] for k in M.RANK_FIELDS[2:]]]]
+            rows = [[*self.counter.totals_tensor().tolist(), *[mem[k] for k in M.RANK_FIELDS[len(M.COUNTS):]]]]
         return M.aggregate_ranks(rows)
 
-    def _flops_per_token(self, tokens: int, samples: int) -> float | None:
-        if not tokens or not samples or self.params is None:
+    def _flops_per_token(self, attended_tokens: int, attended_squares: int) -> float | None:
+        seq_len = M.attention_length(attended_tokens, attended_squares)
+        if seq_len is None or self.params is None:
             return None
         return M.flops_per_token(self.params.matmul_trainable, self.params.matmul_frozen, self.layers,
-                                 self.attention_width, tokens / samples)
+                                 self.attention_width, seq_len)
 
     def _window(self) -> dict:
         agg = self._gather()
@@ -202,7 +202,8 @@ class SpeedupCallback(TrainerCallback):
             "tokens_per_second": tps,
             "samples_per_second": samples / wall if wall > 0 else None,
             "step_time_s": float(statistics.median(deltas)) if deltas else None,
-            "mfu": M.mfu(tps, self._flops_per_token(tokens, samples), self.peak_flops, self._num_devices()),
+            "mfu": M.mfu(tps, self._flops_per_token(*(agg[k] - self.last_log[k] for k in M.COUNTS[2:])),
+                         self.peak_flops, self._num_devices()),
             "peak_memory_allocated_bytes": agg["peak_memory_allocated_bytes"],
             "peak_memory_reserved_bytes": agg["peak_memory_reserved_bytes"],
             "memory_allocated_bytes": agg["memory_allocated_bytes"],
@@ -212,7 +213,7 @@ class SpeedupCallback(TrainerCallback):
             "whole_run_tokens_per_second": agg["tokens"] / elapsed if elapsed > 0 else None,
             "compile_seconds": round(dyn["compile_seconds"], 6),
         }
-        self.last_log = {"tokens": agg["tokens"], "samples": agg["samples"], "index": len(self.step_times)}
+        self.last_log = {**{k: agg[k] for k in M.COUNTS}, "index": len(self.step_times)}
         self.history.append(entry)
         return entry
 
@@ -231,6 +232,8 @@ class SpeedupCallback(TrainerCallback):
             global_step=self.trainer.state.global_step, segments=c.segments + 1,
             steps=c.steps + len(self.step_times), warmup_steps=c.warmup_steps + len(self.warmup),
             tokens=c.tokens + agg["tokens"], samples=c.samples + agg["samples"],
+            attended_tokens=c.attended_tokens + agg["attended_tokens"],
+            attended_squares=c.attended_squares + agg["attended_squares"],
             wall_seconds=c.wall_seconds + (time.perf_counter() - self.t_begin),
             compile_seconds=c.compile_seconds + dyn["compile_seconds"], recompiles=c.recompiles + dyn["recompiles"],
             recompile_seconds=round(c.recompile_seconds + recompiled, 6),
@@ -250,7 +253,7 @@ class SpeedupCallback(TrainerCallback):
         tokens, samples = total.tokens, total.samples
         tps = (tokens / steps) / step_time if steps and step_time else None
         sps = (samples / steps) / step_time if steps and step_time else None
-        fpt = self._flops_per_token(tokens, samples)
+        fpt = self._flops_per_token(total.attended_tokens, total.attended_squares)
         devices = self._num_devices()
         trainer = self.trainer
         params = self.params or ParamCounts(0, 0, 0, 0, 0)
@@ -285,9 +288,11 @@ class SpeedupCallback(TrainerCallback):
             "tokens": tokens,
             "samples": samples,
             "mean_sequence_length": tokens / samples if samples else None,
+            "attention_sequence_length": M.attention_length(total.attended_tokens, total.attended_squares),
             "flops_per_token": fpt,
-            "flops_formula": ("4*N_frozen + 6*N_trainable + 12*L*H*S (non-embedding matmul weights; "
-                              "recomputation not counted)"),
+            "flops_formula": ("4*N_frozen + 6*N_trainable + 12*L*H*S (non-embedding matmul weights; S = "
+                              "attention_sequence_length = sum(L_i^2)/sum(L_i) over sequences; recomputation not "
+                              "counted)"),
             "matmul_parameters_trainable": params.matmul_trainable,
             "matmul_parameters_frozen": params.matmul_frozen,
             "embedding_parameters": params.embedding,
