@@ -181,6 +181,19 @@ def test_compute_dtype_follows_args_then_weights():
     assert M.compute_dtype(None, nn.Linear(2, 2).to(torch.float16), "cuda") == "fp16"
 
 
+def test_fp32_with_tf32_on_is_tf32_as_transformers_sets_it(monkeypatch):
+    """transformers turns TF32 on through torch's new fp32_precision API, after which the legacy getter
+    raises: read that way the peak would be fp32's, ~7x too low for an H100, and MFU ~7x too high."""
+    from hf_speedup.compat import set_tf32
+
+    monkeypatch.setattr(torch.backends, "fp32_precision", torch.backends.fp32_precision)  # put back after
+    set_tf32(True)
+    assert M.compute_dtype(None, nn.Linear(2, 2), "cuda") == "tf32"
+    assert M.compute_dtype(None, nn.Linear(2, 2), "cpu") == "fp32"
+    set_tf32(False)
+    assert M.compute_dtype(None, nn.Linear(2, 2), "cuda") == "fp32"
+
+
 # ------------------------------------------------------------------------------------- peak FLOP/s
 @pytest.mark.parametrize("name,dtype,expected", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989e12),

@@ -32,6 +32,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
 from .._version import __version__
+from ..compat import tf32_matmul_enabled
 from ..dtypes import short_name
 
 IGNORE_INDEX = -100
@@ -217,14 +218,8 @@ def compute_dtype(args: Any = None, model: Any = None, device_type: str = "cpu")
         weights = next((short_name(p.dtype) for p in model.parameters() if p.is_floating_point()), "fp32")
         if weights in ("bf16", "fp16"):
             return weights
-    if device_type == "cuda":
-        import torch
-
-        try:
-            if torch.get_float32_matmul_precision() != "highest":
-                return "tf32"
-        except Exception:  # pragma: no cover - API drift
-            pass
+    if device_type == "cuda" and tf32_matmul_enabled():  # read as transformers sets it (torch's new API)
+        return "tf32"
     return "fp32"
 
 
