@@ -295,3 +295,36 @@ def test_plain_module_blocks_get_a_checkpointed_forward():
         torch.testing.assert_close(p.grad, q.grad, msg=n)
     ok, why = checkpointing.verify(d, _T(model), outcome)
     assert ok and why.startswith("2/4 _Block blocks (0, 2, every 2nd), non-reentrant"), why
+
+
+def test_checkpointing_kwargs_beyond_per_block_ones_stay_with_the_trainer_or_are_cleared_with_the_switch(
+        tiny_model, make_args):
+    """TRL's ``selective`` (or any kwarg per-block non-reentrant checkpointing is not): auto leaves the trainer's
+    own checkpointing alone; an explicit request takes over and clears the kwargs with the switch, since TRL
+    refuses kwargs whose switch is off."""
+    asked = make_args(gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": True})
+    auto = decide(ckpt_cfg(enabled="auto"), tiny_model, asked)
+    assert auto.applied == "by trainer" and "{'selective': True}" in auto.reason
+    assert checkpointing.training_args(auto, asked) == {}
+    taken = decide(ckpt_cfg(1), tiny_model, asked)
+    assert taken.settings.by == "hf_speedup" and "their {'selective': True} replaced" in taken.reason
+    assert checkpointing.training_args(taken, asked) == {
+        "activation_checkpointing": False, "gradient_checkpointing": False, "activation_checkpointing_kwargs": None,
+        "gradient_checkpointing_kwargs": None}
+    plain = make_args(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert decide(ckpt_cfg(enabled="auto"), tiny_model, plain).settings.by == "hf_speedup"
+
+
+def test_trl_selective_checkpointing_trains_under_the_memory_preset(tiny_model, tmp_path):
+    trl = pytest.importorskip("trl")
+    from hf_speedup import SpeedupSFTTrainer
+    from hf_speedup.tiny import chat_dataset, chat_tokenizer
+
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                         use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, max_length=None,
+                         gradient_checkpointing_kwargs={"selective": True})
+    trainer = SpeedupSFTTrainer(model=tiny_model, args=args, train_dataset=chat_dataset(8, seed=0),
+                                processing_class=chat_tokenizer(), speedup="memory")
+    trainer.train()
+    assert trainer.speedup_status["checkpointing"].engaged
+    assert checkpointing.checkpointed_blocks(trainer.model) == [0, 1, 2, 3]

@@ -51,6 +51,20 @@ def _user_args_want_it(args) -> bool:
     return bool(getattr(args, flag, False) or getattr(args, "gradient_checkpointing", False))
 
 
+def _user_kwargs(args) -> dict:
+    """The checkpointing kwargs in the user's TrainingArguments (either spelling)."""
+    if args is None:
+        return {}
+    _, name = compat.checkpointing_arg_names(type(args))
+    return dict(getattr(args, name, None) or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+
+
+def _beyond_blocks(kwargs: dict) -> dict:
+    """What the user's kwargs ask for that per-block non-reentrant checkpointing is not (TRL's ``selective``,
+    a ``use_reentrant=True`` a custom block may depend on, ...)."""
+    return {k: v for k, v in kwargs.items() if not (k == "use_reentrant" and v is False) and k != "every_n_layers"}
+
+
 def _ordinal(n: int) -> str:
     return {1: "every", 2: "every 2nd", 3: "every 3rd"}.get(n, f"every {n}th")
 
@@ -76,6 +90,11 @@ def decide(ctx: PlanContext) -> Decision:
                                    "checkpoints every block, unchanged")
         return Decision(NAME, requested, OFF, settings=Settings(),
                         reason="off in the config (trades ~30% step time for activation memory)")
+    theirs = _beyond_blocks(_user_kwargs(ctx.args)) if user_on else {}
+    if s.enabled == "auto" and theirs:
+        return Decision(NAME, requested, "by trainer", settings=Settings(by="trainer"),
+                        reason=f"auto: the TrainingArguments ask for checkpointing with {theirs}, which hf_speedup's "
+                               "per-block checkpointing does not do: the trainer's own runs, unchanged")
     if s.enabled == "auto" and not user_on:
         return Decision(NAME, requested, OFF, settings=Settings(),
                         reason="auto: off; no memory estimate says the activations will not fit, and recomputation "
@@ -89,6 +108,9 @@ def _decide_blocks(ctx: PlanContext, requested: dict, user_on: bool) -> Decision
     why = "requested" if ctx.config.checkpointing.enabled is True else "auto: the TrainingArguments ask for it"
     if user_on:
         why += "; taken over from TrainingArguments (applied per block here, the Trainer's switch is turned off)"
+        theirs = _beyond_blocks(_user_kwargs(ctx.args))
+        if theirs:
+            why += f"; their {theirs} replaced by non-reentrant per-block checkpointing"
     if info is not None and info.num_blocks == 0:
         return Decision(NAME, requested, OFF, settings=Settings(),
                         fallbacks=("checkpointing: no repeated block found in the model",),
@@ -111,8 +133,12 @@ def training_args(decision: Decision, args) -> dict:
     if decision.settings.by not in ("hf_speedup", "fsdp") or not _user_args_want_it(args):
         return {}
     fields = compat.args_fields(type(args))
-    flag, _ = compat.checkpointing_arg_names(type(args))
-    return {name: False for name in (flag, "gradient_checkpointing") if name in fields}
+    flag, kwargs_name = compat.checkpointing_arg_names(type(args))
+    off = {name: False for name in (flag, "gradient_checkpointing") if name in fields}
+    # kwargs left behind with the switch off are an error to TRL (e.g. ``selective`` needs the switch on)
+    off.update({name: None for name in (kwargs_name, "gradient_checkpointing_kwargs")
+                if name in fields and getattr(args, name, None)})
+    return off
 
 
 def stock_trainer_args(decision: Decision, args=None) -> dict:
