@@ -16,14 +16,16 @@ from .dtypes import short_name
 OVERRIDE_ENV = "HF_SPEEDUP_PEAK_FLOPS"
 
 _H100_SXM = {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}
+_NVL = {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}  # H100 NVL and H200 NVL (PCIe cards)
 
 # (name key, lower-case) -> {dtype: FLOP/s}. A key matches ``torch.cuda.get_device_name()`` (lower-cased)
 # as a whole word: "a10" does not match "a100", "l4" does not match "l40s", "h200" does not match "gh200".
 # Order matters where keys overlap as words ("h100 nvl" before "h100"): the first match wins.
 PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
     ("gh200", _H100_SXM),
+    ("h200 nvl", _NVL),
     ("h200", _H100_SXM),
-    ("h100 nvl", {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
+    ("h100 nvl", _NVL),
     ("h100 pcie", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
     ("h100", _H100_SXM),  # SXM ("NVIDIA H100 80GB HBM3")
     ("h800", _H100_SXM),

@@ -199,6 +199,7 @@ def test_fp32_with_tf32_on_is_tf32_as_transformers_sets_it(monkeypatch):
     ("NVIDIA H100 80GB HBM3", "bf16", 989e12),
     ("NVIDIA H100 PCIe", "bf16", 756e12),
     ("NVIDIA H100 NVL", "bf16", 835e12),
+    ("NVIDIA H200 NVL", "bf16", 835e12),  # not the SXM part's 989e12
     ("NVIDIA H200", "bf16", 989e12),
     ("NVIDIA GH200 480GB", "bf16", 989e12),
     ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
