@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import json
 import os
 import shutil
@@ -97,6 +99,12 @@ def test_report_of_a_training_run(tiny_model, dataset, collator, make_args, caps
     assert sum(h["steps"] for h in hist) == 4
     assert [s[0] for s in report["step_times"]] == [1, 2, 3, 4]
     assert report["step_times"][0][1] > 0
+    # the window's step time is steady state, like the summary's: its compile steps are left out
+    warm, times = set(x["warmup_global_steps"]), {entry[0]: entry[1] for entry in report["step_times"]}
+    assert 1 in warm
+    for h, window in zip(hist, ([1, 2], [3, 4])):
+        steady = [times[n] for n in window if n not in warm]
+        assert h["step_time_s"] == (pytest.approx(statistics.median(steady)) if steady else None)
 
     # every logging step went through Trainer.log (so to every tracker), the summary at the end
     step_logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -128,8 +136,11 @@ def test_mfu_with_a_peak_override(tiny_model, dataset, collator, make_args, monk
     assert x["peak_flops_per_device"] == 2e12 and x["peak_flops_source"] == "override"
     assert m["mfu"] == pytest.approx(x["flops_per_token"] * m["tokens_per_second"] / 2e12)
     assert 0 < m["mfu"] < 1
-    logged = [h[PREFIX + "mfu"] for h in trainer.state.log_history if "loss" in h]
-    assert len(logged) == 3 and all(v > 0 for v in logged)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    # step 1 compiled (warm-up): no steady-state figure for its window, the whole-run one is there
+    assert PREFIX + "mfu" not in logs[0] and logs[0][PREFIX + "whole_run_tokens_per_second"] > 0
+    logged = [h[PREFIX + "mfu"] for h in logs[1:]]
+    assert len(logged) == 2 and all(v > 0 for v in logged)
 
 
 def test_gradient_accumulation_counts_every_micro_batch(tiny_model, dataset, collator, make_args):

@@ -189,7 +189,11 @@ class SpeedupCallback(TrainerCallback):
         agg = self._gather()
         start = self.last_log["index"]
         deltas = list(self.step_times[start:])
-        wall = sum(deltas)
+        # steady state, as the summary: the window's steps at its median step time, the steps that compiled
+        # left out (none left: no steady figure; the whole-run one below still has the wall clock)
+        steady = [d for i, d in enumerate(deltas, start) if i not in self.warmup]
+        step_time = float(statistics.median(steady)) if steady else None
+        wall = len(deltas) * step_time if step_time else 0.0
         tokens = agg["tokens"] - self.last_log["tokens"]
         samples = agg["samples"] - self.last_log["samples"]
         tps = tokens / wall if wall > 0 else None
@@ -201,7 +205,7 @@ class SpeedupCallback(TrainerCallback):
             "steps": len(deltas),
             "tokens_per_second": tps,
             "samples_per_second": samples / wall if wall > 0 else None,
-            "step_time_s": float(statistics.median(deltas)) if deltas else None,
+            "step_time_s": step_time,
             "mfu": M.mfu(tps, self._flops_per_token(*(agg[k] - self.last_log[k] for k in M.COUNTS[2:])),
                          self.peak_flops, self._num_devices()),
             "peak_memory_allocated_bytes": agg["peak_memory_allocated_bytes"],
