@@ -90,14 +90,15 @@ def test_wandb_run_has_plan_config_and_metric_summary(offline_wandb, tiny_model,
     assert report["metrics"]["mfu"] is None  # CPU: unknown peak -> null, not a made-up number
     assert summary[PREFIX + "trainable_parameters"] == 213_568
 
-    # logged during training: one history row per logging step with the step metrics (the Trainer's
-    # W&B callback puts training logs under train/)
+    # logged during training: in each logging step's history row, beside the Trainer's train/loss, the step
+    # metrics under hf_speedup/<metric> (not under the train/ the Trainer's W&B callback gives its own logs)
     rows = [r for r in _history(runs[0]) if "train/loss" in json.dumps(r)]
     assert len(rows) >= 2
     text = json.dumps(rows)
     for key in STEP_METRICS:
         if key != "mfu":
-            assert f"train/{PREFIX}{key}" in text, key
+            assert f'"{PREFIX}{key}"' in text, key
+    assert "train/hf_speedup" not in json.dumps(_history(runs[0]))
 
 
 def test_no_wandb_run_no_wandb_calls(tiny_model, dataset, collator, make_args, tmp_path, monkeypatch):

@@ -11,8 +11,8 @@ How it measures without adding device synchronisation:
 - memory: allocator statistics (host-side queries); compile: dynamo's counters (host-side).
 
 Per logging step the metrics go through ``Trainer.log`` (so every ``report_to`` tracker and
-``state.log_history`` get them) as ``hf_speedup/<metric>`` — trackers that prefix training logs show
-them as ``train/hf_speedup/<metric>``. At the end the summary (steady-state figures and, beside them, the
+``state.log_history`` get them) as ``hf_speedup/<metric>``; W&B's callback, which files training logs
+under ``train/``, gets them under their own key (``sinks.route_wandb_metrics``). At the end the summary (steady-state figures and, beside them, the
 whole run's: wall clock with every compile and recompile, and the seconds they took) is logged the same way, put
 into the W&B run summary as ``hf_speedup/<metric>`` (the plan goes to the W&B config as
 ``hf_speedup/<feature>/<field>``), written to ``<output_dir>/speedup_report.json`` and printed.
@@ -100,6 +100,7 @@ class SpeedupCallback(TrainerCallback):
         return procs * (n_gpu if procs == 1 and n_gpu > 1 else 1)
 
     def _reset(self, args) -> None:
+        sinks.route_wandb_metrics(self.trainer.callback_handler.callbacks)
         self.counter.reset()
         self.active = True
         self.finalized = False

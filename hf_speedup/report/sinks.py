@@ -67,6 +67,35 @@ def _wandb_run():
     return getattr(wandb, "run", None) if wandb is not None else None
 
 
+def route_wandb_metrics(callbacks) -> None:
+    """Our metrics under their own ``hf_speedup/<metric>`` keys in W&B's history, not ``train/hf_speedup/...``.
+
+    transformers' W&B callback files every training log under ``train/``. Ours are taken out of what it sees
+    and logged uncommitted just before it, so they land in the same history row. The end-of-run values go to
+    the run summary only (``to_wandb``), not into the per-step series as a last point. Other trackers still get
+    everything through the Trainer's own logging.
+    """
+    for callback in callbacks:
+        if type(callback).__name__ != "WandbCallback" or getattr(callback.on_log, "_hf_speedup", False):
+            continue
+
+        def on_log(args, state, control, model=None, logs=None, _original=callback.on_log, _cb=callback, **kw):
+            ours = {k: v for k, v in (logs or {}).items() if k.startswith(PREFIX)}
+            if ours:
+                logs = {k: v for k, v in logs.items() if not k.startswith(PREFIX)}
+                if "train_runtime" not in logs and _cb._wandb is not None and state.is_world_process_zero:
+                    try:
+                        if not _cb._initialized:
+                            _cb.setup(args, state, model)
+                        _cb._wandb.log(ours, commit=False)
+                    except Exception as exc:  # a tracker hiccup must not end a training run
+                        logger.warning("hf_speedup: could not log to the W&B run: %r", exc)
+            return _original(args, state, control, model=model, logs=logs, **kw)
+
+        on_log._hf_speedup = True
+        callback.on_log = on_log
+
+
 def to_wandb(report: dict, summary: bool) -> None:
     """The plan into the active W&B run's config; with ``summary`` the metrics into its summary too."""
     run = _wandb_run()
