@@ -294,3 +294,28 @@ def test_two_processes_sum_tokens_over_ranks(tmp_path):
     assert report["measurement"]["samples"] == 2 * 3 * 4
     assert report["measurement"]["num_devices"] == 2
     assert ranks[1]["measurement"]["tokens"] == expected  # every rank holds the same aggregate
+
+
+def test_batches_without_token_tensors_give_unknown_throughput_not_zero(tiny_model, dataset, make_args):
+    """A trainer that steps on raw rows (GRPO's prompts, say) and tokenizes inside compute_loss: nothing to count,
+    so throughput and MFU are null with the reason, never a 0 tokens/s that reads like a stalled run."""
+
+    class RawRows(SpeedupTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            ids = torch.tensor(inputs["raw"])
+            out = model(input_ids=ids, labels=ids)
+            return (out.loss, out) if return_outputs else out.loss
+
+    def raw_collator(features):
+        width = min(len(f["input_ids"]) for f in features)
+        return {"raw": [f["input_ids"][:width] for f in features]}
+
+    trainer = RawRows(model=tiny_model, args=make_args(max_steps=3, logging_steps=1, remove_unused_columns=False),
+                      train_dataset=dataset, data_collator=raw_collator, speedup="baseline")
+    trainer.train()
+    report = trainer.speedup_report.to_dict()
+    m, x = report["metrics"], report["measurement"]
+    assert x["steps"] == 3 and x["tokens"] == 0
+    assert m["tokens_per_second"] is m["whole_run_tokens_per_second"] is m["samples_per_second"] is m["mfu"] is None
+    assert x["tokens_note"].startswith("no token counted: the batches the trainer stepped on carried no input_ids")
+    assert not any(PREFIX + "tokens_per_second" in h for h in trainer.state.log_history)

@@ -197,7 +197,7 @@ class SpeedupCallback(TrainerCallback):
         wall = len(deltas) * step_time if step_time else 0.0
         tokens = agg["tokens"] - self.last_log["tokens"]
         samples = agg["samples"] - self.last_log["samples"]
-        tps = tokens / wall if wall > 0 else None
+        tps = tokens / wall if wall > 0 and tokens else None
         dyn = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())
         elapsed = sum(self.step_times)
         entry = {
@@ -205,7 +205,7 @@ class SpeedupCallback(TrainerCallback):
             "time_s": round(time.perf_counter() - self.t_begin, 4),
             "steps": len(deltas),
             "tokens_per_second": tps,
-            "samples_per_second": samples / wall if wall > 0 else None,
+            "samples_per_second": samples / wall if wall > 0 and samples else None,
             "step_time_s": step_time,
             "mfu": M.mfu(tps, self._flops_per_token(*(agg[k] - self.last_log[k] for k in M.COUNTS[2:])),
                          self.peak_flops, self._num_devices()),
@@ -215,7 +215,7 @@ class SpeedupCallback(TrainerCallback):
             "recompiles": dyn["recompiles"],
             "compiled_steps": sum(1 for i in range(start, len(self.step_times)) if i in self.warmup),
             # since the first step, wall clock (compiles included), and the compile seconds so far
-            "whole_run_tokens_per_second": agg["tokens"] / elapsed if elapsed > 0 else None,
+            "whole_run_tokens_per_second": agg["tokens"] / elapsed if elapsed > 0 and agg["tokens"] else None,
             "compile_seconds": round(dyn["compile_seconds"], 6),
         }
         self.last_log = {**{k: agg[k] for k in M.COUNTS}, "index": len(self.step_times)}
@@ -256,8 +256,9 @@ class SpeedupCallback(TrainerCallback):
         else:
             step_time, steady = M.steady_state_step_time(self.step_times, self.warmup)
         tokens, samples = total.tokens, total.samples
-        tps = (tokens / steps) / step_time if steps and step_time else None
-        sps = (samples / steps) / step_time if steps and step_time else None
+        # none counted (batches without token tensors, e.g. GRPO's raw prompts): unknown, not zero
+        tps = (tokens / steps) / step_time if steps and step_time and tokens else None
+        sps = (samples / steps) / step_time if steps and step_time and samples else None
         fpt = self._flops_per_token(total.attended_tokens, total.attended_squares)
         devices = self._num_devices()
         trainer = self.trainer
@@ -267,8 +268,8 @@ class SpeedupCallback(TrainerCallback):
             "tokens_per_second": tps,
             "samples_per_second": sps,
             "step_time_s": step_time,
-            "whole_run_tokens_per_second": tokens / wall if wall else None,
-            "whole_run_samples_per_second": samples / wall if wall else None,
+            "whole_run_tokens_per_second": tokens / wall if wall and tokens else None,
+            "whole_run_samples_per_second": samples / wall if wall and samples else None,
             "whole_run_seconds": round(wall, 4) if wall else None,
             "mfu": M.mfu(tps, fpt, self.peak_flops, devices),
             "peak_memory_allocated_bytes": agg["peak_memory_allocated_bytes"],
@@ -292,6 +293,9 @@ class SpeedupCallback(TrainerCallback):
             "step_time_statistic": "median of steady-state steps (first step and steps that compiled excluded)",
             "tokens": tokens,
             "samples": samples,
+            "tokens_note": None if tokens or not steps else (
+                "no token counted: the batches the trainer stepped on carried no input_ids, attention_mask, "
+                "position_ids or labels tensors (e.g. GRPO's raw prompts), so throughput and MFU are unknown"),
             "mean_sequence_length": tokens / samples if samples else None,
             "attention_sequence_length": M.attention_length(total.attended_tokens, total.attended_squares),
             "flops_per_token": fpt,
