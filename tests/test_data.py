@@ -179,3 +179,69 @@ def test_fast_preset_drops_the_last_batch_and_baseline_keeps_the_users_choice(ma
     assert data.training_args(fast, None)["dataloader_drop_last"] is True
     base = build_plan("baseline", caps=fake_caps(**CPU_NO_BF16), args=make_args(dataloader_drop_last=True))["data"]
     assert "dataloader_drop_last" not in data.training_args(base, None)
+
+
+# ------------------------------------------------------------------------------------------ TRL arguments
+def _small_llama():
+    from hf_speedup.tiny import tiny_llama
+
+    return tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_dpo_config_is_not_asked_for_padding_free_its_trainer_switches_off(tmp_path):
+    """TRL's DPOTrainer turns DPOConfig.padding_free off: the plan must not count on it (nor drop the padding
+    multiple and drop_last for it); it says why, and what does apply is verified on the live trainer."""
+    import copy
+
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from hf_speedup import SpeedupMixin
+    from hf_speedup.tiny import chat_tokenizer
+
+    class MyDPO(SpeedupMixin, trl.DPOTrainer):
+        pass
+
+    rows = Dataset.from_list([{"prompt": f"{i}+{i}=", "chosen": str(2 * i), "rejected": str(2 * i + 1)}
+                              for i in range(32)])
+    args = trl.DPOConfig(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=8, max_steps=1, report_to=[],
+                         use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, max_length=None)
+    model = _small_llama()
+    trainer = MyDPO(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=rows,
+                    processing_class=chat_tokenizer(), speedup=get_preset("fast").replace(compile={"backend": "eager"}))
+    d = trainer.speedup_status["data"]
+    assert not d.settings.padding_free and d.settings.padding_free_via is None
+    assert "DPOConfig.padding_free is not honoured by its trainer" in d.reason
+    assert trainer.args.padding_free is False and trainer.padding_free is False
+    assert trainer.data_collator.pad_to_multiple_of == 64 and trainer.args.dataloader_drop_last is True
+    assert d.engaged is True, d.engaged_reason
+    assert trainer.model.config._attn_implementation != "sdpa_varlen"  # nothing packed to keep apart
+    explicit = build_plan(get_preset("baseline").replace(data={"padding_free": True}), caps=fake_caps(**CPU_NO_BF16),
+                          model=model, args=args)["data"]
+    assert not explicit.settings.padding_free
+    assert explicit.fallbacks[0].startswith("padding_free: DPOConfig.padding_free is not honoured by its trainer")
+
+
+def test_packing_without_padding_free_keeps_the_last_batch(tmp_path):
+    """SFTConfig.packing=True: TRL packs the 48 examples into a few rows, fewer than one batch; drop_last
+    would leave no batch at all, so the plan does not set it and says why."""
+    trl = pytest.importorskip("trl")
+    from hf_speedup import SpeedupSFTTrainer
+    from hf_speedup.tiny import chat_dataset, chat_tokenizer
+
+    args = trl.SFTConfig(output_dir=str(tmp_path / "p"), per_device_train_batch_size=8, num_train_epochs=1,
+                         report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
+                         max_length=512, packing=True)
+    trainer = SpeedupSFTTrainer(model=_small_llama(), args=args, train_dataset=chat_dataset(48, seed=0),
+                                processing_class=chat_tokenizer(),
+                                speedup={"base": "fast", "compile": {"enabled": False},
+                                         "data": {"padding_free": False}})
+    assert len(trainer.train_dataset) < 8  # fewer packed rows than one batch: the case drop_last empties
+    assert trainer.args.dataloader_drop_last is False and len(trainer.get_train_dataloader()) == 1
+    d = trainer.speedup_status["data"]
+    assert "drop_last not applied: SFTConfig.packing=True packs several examples per row" in d.reason
+    # the plan's own packing counts the same way
+    plain = trl.SFTConfig(output_dir=str(tmp_path / "q"), use_cpu=True, bf16=False, max_length=512)
+    cfg = get_preset("fast").replace(data={"padding_free": False, "packing": True})
+    assert "dataloader_drop_last" not in data.training_args(
+        build_plan(cfg, caps=fake_caps(**CPU_NO_BF16), args=plain)["data"], plain)

@@ -237,6 +237,11 @@ def test_compile_under_padding_free_has_a_dynamic_sequence_dimension(tiny_model,
     padded = build_plan(get_preset("fast").replace(data={"padding_free": False}), caps=fake_caps(**CPU_NO_BF16),
                         model=tiny_model, args=make_args())
     assert padded["compile"].settings.dynamic is False
+    trl = pytest.importorskip("trl")  # rows TRL flattens itself (packing) change length every step just the same
+    packed = build_plan(get_preset("fast").replace(data={"padding_free": False}), caps=fake_caps(**CPU_NO_BF16),
+                        model=tiny_model, args=trl.SFTConfig(output_dir="unused", packing=True, use_cpu=True,
+                                                             bf16=False, report_to=[]))
+    assert packed["data"].settings.rows_flattened and packed["compile"].settings.dynamic is True
 
 
 # ------------------------------------------------------------------------------------------ the trainer
@@ -346,3 +351,128 @@ def test_labels_under_another_name_are_kept_and_mixed_labels_are_one_clear_error
     assert batch["labels"].tolist() == [[-100, 5, 6, -100, 7]]
     with pytest.raises(ValueError, match=r"some examples carry 'labels' and others do not; fix: give every example"):
         collate([{"input_ids": [1, 5], "labels": [1, 5]}, {"input_ids": [1, 7]}])
+
+
+# ------------------------------------------------------------------------------------------ prepared labels
+def test_prepared_labels_and_loss_masks_survive_the_causal_lm_conversion(tokenizer):
+    """DataCollatorForLanguageModeling(mlm=False) as a flattening collator keeps the labels a trainer prepared
+    (completion-only: the prompt at -100) and applies TRL's loss-mask columns where there are no labels."""
+    from transformers import DataCollatorForLanguageModeling
+
+    flat, _ = pf.flattening_collator(DataCollatorForLanguageModeling(tokenizer, mlm=False), None)
+    prepared = [{"input_ids": [1, 5, 6, 7], "labels": [-100, -100, 6, 7]},
+                {"input_ids": [1, 8, 9], "labels": [-100, -100, 9]}]
+    assert flat(prepared)["labels"].tolist() == [[-100, -100, 6, 7, -100, -100, 9]]
+    masked = [{"input_ids": [1, 5, 6, 7], "completion_mask": [0, 0, 1, 1]},
+              {"input_ids": [1, 8, 9], "assistant_masks": [0, 1, 1]},
+              {"input_ids": [1, 4, 0, 3], "attention_mask": [1, 1, 0, 0], "completion_mask": [0, 1, 0, 0]}]
+    assert flat(masked)["labels"].tolist() == [[-100, -100, 6, 7, -100, 8, 9, -100, 4]]
+    assert flat([{"input_ids": [1, 5, 6]}])["labels"].tolist() == [[-100, 5, 6]]  # none given: the ids, as before
+    with pytest.raises(ValueError, match="completion_mask is not as long as its input_ids"):
+        flat([{"input_ids": [1, 5, 6], "completion_mask": [0, 1]}])
+
+
+def test_completion_only_loss_through_sft_trainer_trains_only_the_completions(tmp_path):
+    """Prompt-completion data, the user's transformers DataCollatorForLanguageModeling: TRL builds the labels
+    (prompt at -100); the flattened batch trains exactly the tokens TRL's own padding-free collator would."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling as TrlCollator
+
+    from hf_speedup import SpeedupSFTTrainer
+    from hf_speedup.tiny import chat_tokenizer, tiny_llama
+
+    tok = chat_tokenizer()
+    rows = Dataset.from_list([{"prompt": f"What is {i} plus {i}? Please answer.", "completion": f" {2 * i}"}
+                              for i in range(16)])
+    args = trl.SFTConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                         use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, max_length=None)
+    trainer = SpeedupSFTTrainer(model=tiny_llama(seed=0, hidden_size=64, intermediate_size=128,
+                                                 num_attention_heads=4, num_key_value_heads=2),
+                                args=args, train_dataset=rows, processing_class=tok,
+                                data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+                                speedup=get_preset("fast").replace(compile={"backend": "eager"}))
+    assert isinstance(trainer.data_collator, pf.PaddingFreeCollator)
+    examples = [trainer.train_dataset[i] for i in range(4)]
+    completion = [sum(1 for x in e["labels"][1:] if x != -100) for e in examples]  # first positions never train
+    assert all(n > 0 for n in completion) and sum(completion) < sum(len(e["input_ids"]) for e in examples) // 2
+    got = trainer.data_collator(examples)["labels"]
+    want = TrlCollator(pad_token_id=tok.pad_token_id, padding_free=True)(examples)["labels"]
+    assert int((got != -100).sum()) == sum(completion)
+    assert got.tolist() == want.tolist()
+
+
+# ------------------------------------------------------------------------------------------ rows TRL flattens
+def _padded_reference(model, flat, pad_id):
+    """Per-sequence logits of the flattened row's sequences, computed as a padded batch (no cache)."""
+    ids, pos = flat["input_ids"][0], flat["position_ids"][0]
+    starts = (pos == 0).nonzero().flatten().tolist() + [len(ids)]
+    seqs = [ids[a:b] for a, b in zip(starts, starts[1:])]
+    longest = max(len(s) for s in seqs)
+    batch = torch.full((len(seqs), longest), pad_id)
+    mask = torch.zeros_like(batch)
+    for i, s in enumerate(seqs):
+        batch[i, :len(s)], mask[i, :len(s)] = s, 1
+    with torch.no_grad():
+        logits = model(input_ids=batch, attention_mask=mask, use_cache=False).logits
+    return [logits[i, :len(s)] for i, s in enumerate(seqs)], [len(s) for s in seqs]
+
+
+@pytest.mark.parametrize("case", ["baseline_padding_free", "fast_packing_no_padding_free"])
+def test_rows_the_trl_args_flatten_get_the_use_cache_guard(tmp_path, case):
+    """The user's SFTConfig.padding_free (or packing) flattens rows while hf_speedup's plan has padding-free
+    off: a direct forward with the config's use_cache=True still keeps the sequences apart."""
+    trl = pytest.importorskip("trl")
+    from hf_speedup import SpeedupSFTTrainer
+    from hf_speedup.tiny import chat_dataset, chat_tokenizer, tiny_llama
+
+    own = {"padding_free": True, "max_length": None} if case == "baseline_padding_free" else {"packing": True,
+                                                                                              "max_length": 128}
+    speedup = ("baseline" if case == "baseline_padding_free" else
+               {"base": "fast", "compile": {"enabled": False}, "data": {"padding_free": False}})
+    args = trl.SFTConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                         use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, **own)
+    model = tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    tok = chat_tokenizer()
+    trainer = SpeedupSFTTrainer(model=model, args=args, train_dataset=chat_dataset(16, seed=0), processing_class=tok,
+                                speedup=speedup)
+    assert not trainer.speedup_plan["data"].settings.padding_free  # hf_speedup's own padding-free is off
+    flat = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
+    assert flat["input_ids"].shape[0] == 1 and "attention_mask" not in flat
+    model = trainer.model.eval()
+    model.config.use_cache = True  # the default of an unprepared model
+    with torch.no_grad():
+        direct = model(input_ids=flat["input_ids"], position_ids=flat["position_ids"]).logits
+    reference, lengths = _padded_reference(model, flat, tok.pad_token_id)
+    assert len(lengths) > 1
+    for i, (seq, want) in enumerate(zip(per_sequence(direct, lengths), reference)):
+        torch.testing.assert_close(seq, want, rtol=1e-5, atol=1e-5, msg=f"sequence {i}")
+    assert pf.use_cache_guarded(trainer.model)
+    state = trainer.speedup_status["data"]
+    assert "flattens: yes" in state.engaged_reason, state.engaged_reason
+
+
+def test_a_collator_that_cannot_be_flattened_withdraws_the_trainers_padding_free(tmp_path):
+    """fast plans SFTConfig.padding_free; the user's own collator cannot be flattened (a fallback): the
+    argument is withdrawn too, since TRL refuses padding_free=True beside a custom collator."""
+    trl = pytest.importorskip("trl")
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_speedup import SpeedupSFTTrainer
+    from hf_speedup.tiny import chat_dataset, chat_tokenizer, tiny_llama
+
+    class Custom(DataCollatorForLanguageModeling):
+        pass
+
+    tok = chat_tokenizer()
+    args = trl.SFTConfig(output_dir=str(tmp_path / "o"), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                         use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, max_length=None)
+    trainer = SpeedupSFTTrainer(model=tiny_llama(seed=0, hidden_size=64, intermediate_size=128,
+                                                 num_attention_heads=4, num_key_value_heads=2),
+                                args=args, train_dataset=chat_dataset(16, seed=0), processing_class=tok,
+                                data_collator=Custom(tok, mlm=False), speedup=get_preset("fast").replace(
+                                    compile={"backend": "eager"}))
+    assert type(trainer.data_collator) is Custom and trainer.args.padding_free is False
+    state = trainer.speedup_status["data"]
+    assert any(f.startswith("padding_free: Custom subclasses DataCollatorForLanguageModeling") for f in state.fallbacks)

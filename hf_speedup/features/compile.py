@@ -123,8 +123,10 @@ def _on_reason(ctx: PlanContext, s: Settings) -> str:
 
 
 def _padding_free(ctx: PlanContext) -> bool:
+    """Rows change length every step: our padding-free collator, or TRL's own packing / padding_free."""
     data = ctx.decisions.get("data")
-    return bool(data is not None and getattr(data.settings, "padding_free", False))
+    return bool(data is not None and (getattr(data.settings, "padding_free", False)
+                                      or getattr(data.settings, "rows_flattened", False)))
 
 
 def _autotunes_cpu_gemms(cfg, caps) -> bool:

@@ -4,10 +4,14 @@ persistent workers, dropping the last partial batch) via TrainingArguments.
 
 ``data.padding_free`` (``auto`` in the auto and fast presets): where the model keeps packed sequences apart,
 the collator becomes a flattening one and the model's decoder gets the ``use_cache`` guard. A trainer that
-builds its own collator and has a ``padding_free`` argument (TRL's ``SFTConfig``) is asked to do it itself,
-so its collator and data preparation stay its own. Where neither can happen, the batch keeps its padding
-and the reason is reported. With padding-free rows ``pad_to_multiple_of`` is not applied (there is no
-padding to round up; under compile the sequence dimension is dynamic instead).
+builds its own collator and honours a ``padding_free`` argument (TRL's ``SFTConfig``) is asked to do it
+itself, so its collator and data preparation stay its own; one whose trainer ignores it (TRL's ``DPOConfig``:
+DPOTrainer switches it off) is not, padding-free is reported not applicable there. Where neither can happen,
+the batch keeps its padding and the reason is reported. Rows the trainer's final arguments flatten
+(``packing``, ``padding_free``: the user's or the plan's) get the ``use_cache`` guard whatever the plan
+says, and count as flattened for ``drop_last`` (packed rows are fewer than the examples: not dropped).
+With padding-free rows ``pad_to_multiple_of`` is not applied (there is no padding to round up; under
+compile the sequence dimension is dynamic instead).
 
 Every ``data.*`` field left ``None`` keeps the user's TrainingArguments / collator untouched, so the
 ``baseline`` preset changes nothing. Padding is applied to the collator:
@@ -60,15 +64,17 @@ class Settings:
     padding_free: bool = False
     padding_free_via: str | None = None  # "collator" (ours) | "trainer" (its own padding_free argument)
     packing: bool | None = None  # TRL's SFTConfig.packing, where the trainer's arguments have it
+    rows_flattened: bool = False  # batches arrive as flattened rows, by our collator or the trainer's arguments
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loader", MappingProxyType(dict(self.loader)))
 
 
 # --------------------------------------------------------------------------------------------- decide
-def _loader(s, caps, args, flattened: bool = False) -> tuple[dict, list[str], list[str]]:
+def _loader(s, caps, args, flattened: bool = False, packed: str | None = None) -> tuple[dict, list[str], list[str]]:
     """(TrainingArguments-side settings, reasons, fallbacks) for the DataLoader knobs; ``flattened``: batches
-    are padding-free rows, whose length changes every batch anyway."""
+    are padding-free rows, whose length changes every batch anyway; ``packed``: the trainer packs several
+    examples per row (named), so the training set's row count is only known after it has packed."""
     out, reasons, fallbacks = {}, [], []
     if s.num_workers is not None:
         out["num_workers"] = s.num_workers
@@ -98,7 +104,11 @@ def _loader(s, caps, args, flattened: bool = False) -> tuple[dict, list[str], li
             continue
         out[key] = value
         reasons.append(f"{key}={value}")
-    if s.drop_last is True and flattened:
+    if s.drop_last is True and packed:
+        reasons.append(f"drop_last not applied: {packed} packs several examples per row, so how many rows (and "
+                       "whether one full batch) remain is only known once the trainer has packed; dropping the last "
+                       "partial batch could leave no step at all")
+    elif s.drop_last is True and flattened:
         reasons.append("drop_last not applied: padding-free rows are one row of a new length every batch (compiled "
                        "with a dynamic sequence dimension), so a partial last batch costs no recompile and no sample "
                        "is skipped")
@@ -176,6 +186,28 @@ def _args_have(args, name: str) -> bool:
         f.name == name for f in dataclasses.fields(args))
 
 
+def honours_padding_free(args) -> bool:
+    """Whether the trainer these arguments are for flattens batches when asked (``padding_free=True``): TRL's
+    ``SFTConfig`` (and subclasses). ``DPOConfig`` has the field too, but TRL's DPOTrainer switches it off
+    with a warning, so asking there would flatten nothing while the plan counted on it. Read off the class
+    names, so that planning never imports TRL."""
+    return any(c.__name__ == "SFTConfig" and c.__module__.startswith("trl") for c in type(args).__mro__)
+
+
+def args_flatten(args, via: str | None, packing: bool | None) -> str | None:
+    """Why the trainer's final arguments make flattened rows, None where they do not: TRL's ``packing``
+    (several examples per row: fewer rows than examples) or a ``padding_free`` its trainer honours, whether
+    the plan sets them (``via``, ``packing``) or the user's arguments already do."""
+    if args is None:
+        return None
+    name = type(args).__name__
+    if _args_have(args, "packing") and (packing if packing is not None else getattr(args, "packing", False)):
+        return f"{name}.packing=True"
+    if honours_padding_free(args) and (via == "trainer" or getattr(args, "padding_free", False)):
+        return f"{name}.padding_free=True"
+    return None
+
+
 def _padding_free(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
     """(how: "collator" | "trainer" | None, reason, fallbacks) for ``data.padding_free``."""
     asked, info, args = ctx.config.data.padding_free, ctx.model, ctx.args
@@ -188,7 +220,12 @@ def _padding_free(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
     batch = getattr(args, "per_device_train_batch_size", None)
     if batch == 1 and not explicit:
         return None, "padding_free: auto: one sequence per batch has no padding to remove", []
-    if _args_have(args, "padding_free"):  # TRL: the trainer builds the collator and prepares the data
+    if _args_have(args, "padding_free") and not honours_padding_free(args):
+        why = (f"padding_free: {type(args).__name__}.padding_free is not honoured by its trainer (TRL's DPOTrainer "
+               "switches it off and pads), and that trainer builds its own collator: not applicable here; batches "
+               "keep their padding")
+        return None, why, [why] if explicit else []
+    if _args_have(args, "padding_free"):  # TRL's SFTTrainer builds the collator and prepares the data
         max_length, packing = getattr(args, "max_length", None), getattr(args, "packing", False)
         if max_length is not None and not packing and ctx.config.data.packing is not True:
             can_pack = _args_have(args, "packing")
@@ -207,16 +244,19 @@ def _padding_free(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
 def decide(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.data, ctx.caps
     via, pf_reason, pf_fallbacks = _padding_free(ctx)
-    # without a model (``training_arguments()``) the stock Trainer keeps its padding collator: rows stay padded
-    flattened = via == "trainer" or (via == "collator" and ctx.model is not None)
-    loader, reasons, fallbacks = _loader(s, caps, ctx.args, flattened=flattened)
-    fallbacks = pf_fallbacks + fallbacks
     packing = s.packing if s.packing is not None and _args_have(ctx.args, "packing") else None
+    by_args = args_flatten(ctx.args, via, packing)
+    # without a model (``training_arguments()``) the stock Trainer keeps its padding collator: rows stay padded
+    flattened = by_args is not None or (via == "collator" and ctx.model is not None)
+    packed = by_args if by_args and by_args.endswith(".packing=True") else None
+    loader, reasons, fallbacks = _loader(s, caps, ctx.args, flattened=flattened, packed=packed)
+    fallbacks = pf_fallbacks + fallbacks
     if s.packing is not None and packing is None:
         fallbacks.append(f"packing={s.packing}: only trainers with a packing argument (TRL's SFTConfig) pack "
                          "examples; use padding_free with this trainer")
     settings = Settings(pad_to_multiple_of=s.pad_to_multiple_of or None, loader=loader,
-                        padding_free=via is not None, padding_free_via=via, packing=packing)
+                        padding_free=via is not None, padding_free_via=via, packing=packing,
+                        rows_flattened=flattened)
     if s.pad_to_multiple_of and via is None:
         reasons.insert(0, f"pad batches to a multiple of {s.pad_to_multiple_of}: fewer distinct shapes (fewer "
                           "recompiles), tensor-core friendly sizes (applied to the collator)")
@@ -299,6 +339,8 @@ def _apply_padding_free(decision: Decision, setup, outcome: Outcome) -> bool:
     else:
         collator, note = pf.flattening_collator(setup.data_collator, setup.processing_class, own)
         if collator is None:
+            if st.padding_free_via == "trainer":  # TRL refuses padding_free=True beside a custom collator
+                outcome.facts.setdefault("withdrawn_args", []).append("padding_free")
             outcome.fallbacks.append(f"padding_free: {note}; batches keep their padding")
             logger.warning("hf_speedup data fallback: padding_free: %s", note)
             return False
@@ -314,7 +356,26 @@ def _apply_padding_free(decision: Decision, setup, outcome: Outcome) -> bool:
 
 def apply(decision: Decision, setup, outcome: Outcome) -> None:
     _apply_collator(decision, setup, outcome)
+    _guard_rows_the_args_flatten(decision, setup, outcome)
     _withdraw_drop_last(decision, setup, outcome)
+
+
+def _guard_rows_the_args_flatten(decision: Decision, setup, outcome: Outcome) -> None:
+    """The use_cache guard where the trainer's final arguments flatten rows themselves (TRL's ``packing`` or
+    ``padding_free``, the user's or the plan's) and hf_speedup's own padding-free did not install it (off in
+    the plan, ``baseline``, or fallen back): the trap is the same whoever flattens, and as silent."""
+    st = decision.settings
+    if "use_cache_guard" in outcome.facts or setup.model is None or isinstance(setup.model, str):
+        return
+    withdrawn = "padding_free" in outcome.facts.get("withdrawn_args", ())
+    why = args_flatten(setup.args, None if withdrawn else st.padding_free_via, st.packing)
+    if why is None:
+        return
+    outcome.facts["use_cache_guard"] = pf.guard_use_cache(setup.model)
+    outcome.facts["rows_flattened_by"] = why
+    outcome.notes.append(f"use_cache guard on the decoder: {why} makes flattened rows (a cache built on them would "
+                         "let each sequence attend to the ones before it)")
+    logger.info("hf_speedup data: %s", outcome.notes[-1])
 
 
 def _withdraw_drop_last(decision: Decision, setup, outcome: Outcome) -> None:
@@ -408,6 +469,15 @@ def _verify_padding_free(st: Settings, trainer) -> tuple[bool, str]:
     return good and guarded, text
 
 
+def _verify_args_guard(trainer, outcome: Outcome) -> str:
+    """The guard installed for rows the trainer's arguments flatten, checked on the live model ("" if none)."""
+    why = outcome.facts.get("rows_flattened_by")
+    if why is None:
+        return ""
+    guarded = pf.use_cache_guarded(trainer.model)
+    return f"use_cache guard for the rows {why} flattens: {'yes' if guarded else 'MISSING'}"
+
+
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     st = decision.settings
     parts, ok, applied = [], True, False
@@ -424,6 +494,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         ok = ok and good
         parts.append(f"{type(trainer.data_collator).__name__}.pad_to_multiple_of={have}"
                      + ("" if good else f" - MISMATCH: planned a multiple of {multiple}"))
+    guard_text = _verify_args_guard(trainer, outcome)
     withdrawn = set(outcome.facts.get("withdrawn_args", ()))
     for key, field_name in ARG_FIELDS.items():
         if key not in st.loader or field_name in withdrawn:
@@ -434,8 +505,11 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         ok = ok and have == want
         parts.append(f"args.{field_name}={have}" + ("" if have == want else f" - MISMATCH: planned {want}"))
     fallbacks = list(decision.fallbacks) + outcome.fallbacks
+    if guard_text:  # a safeguard, not a speed-up: it does not make the feature engaged on its own
+        ok = ok and "MISSING" not in guard_text
+        parts.append(guard_text)
     if not applied:
-        return False, "; ".join(["nothing applied"] + fallbacks)
+        return False, "; ".join(["nothing applied"] + parts + fallbacks)
     if fallbacks:
         parts.append("not applied: " + "; ".join(fallbacks))
     return bool(ok), "; ".join(parts)

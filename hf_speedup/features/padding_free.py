@@ -31,6 +31,13 @@ class PaddingFreeCollator(DataCollatorWithFlattening):
     ``labels``: ``"input_ids"`` (causal-LM collators: the ids are the labels, padding ids ignored as that
     collator does) or ``"features"`` (the examples' own ``labels``, none when they have none). Examples that
     arrive padded (an ``attention_mask`` with zeros) are stripped to their real tokens first.
+
+    With ``"input_ids"``, an example that already carries ``labels`` keeps them: a trainer that prepared them
+    (TRL's ``completion_only_loss`` / ``assistant_only_loss`` set the prompt to -100) meant exactly those, and
+    the causal-LM collator would either fail on them (ragged lengths) or overwrite them with the ids, training
+    on the prompt. One without labels but with a ``completion_mask`` or ``assistant_masks`` column gets the ids
+    with the masked-out tokens at -100, as TRL builds its labels from those columns (completion-only is
+    TRL's default for prompt-completion data).
     """
 
     def __init__(self, labels: str = "features", pad_token_id: int | None = None, source: str = "",
@@ -50,10 +57,7 @@ class PaddingFreeCollator(DataCollatorWithFlattening):
             raise ValueError("padding-free batch: some examples carry 'labels' and others do not; fix: give every "
                              "example its labels (or none, for a collator that makes them from input_ids)")
         if self.labels == "input_ids":
-            pad = self.pad_token_id
-            rows = [{"input_ids": r["input_ids"],
-                     "labels": [IGNORE_INDEX if (pad is not None and t == pad) else t for t in r["input_ids"]]}
-                    for r in rows]
+            rows = [{"input_ids": r["input_ids"], "labels": _causal_lm_labels(r, self.pad_token_id)} for r in rows]
         else:
             rows = [{k: r[k] for k in ("input_ids", "labels") if k in r} for r in rows]
         batch = super().__call__(rows, return_tensors, separator_id)
@@ -62,13 +66,29 @@ class PaddingFreeCollator(DataCollatorWithFlattening):
         return batch
 
 
+MASK_COLUMNS = ("completion_mask", "assistant_masks")  # TRL's loss masks: 0 = not trained on
+
+
+def _causal_lm_labels(row: dict, pad: int | None) -> list:
+    """A causal-LM example's labels: its own where it carries them (prepared by the trainer, e.g. completion-
+    only), else its ids with padding ids and the tokens its loss-mask columns exclude at -100."""
+    if "labels" in row:
+        return row["labels"]
+    masks = [row[c] for c in MASK_COLUMNS if c in row]
+    if any(len(m) != len(row["input_ids"]) for m in masks):
+        raise ValueError(f"padding-free batch: an example's {'/'.join(c for c in MASK_COLUMNS if c in row)} is not "
+                         "as long as its input_ids; fix: one mask bit per token")
+    return [IGNORE_INDEX if (pad is not None and t == pad) or not all(bits) else t
+            for t, *bits in zip(row["input_ids"], *masks)]
+
+
 def _as_list(x) -> list:
     return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
 def _real_tokens(feature: dict) -> dict:
     """The example without its padding (right or left), as plain lists."""
-    out = {k: _as_list(feature[k]) for k in ("input_ids", "labels") if k in feature}
+    out = {k: _as_list(feature[k]) for k in ("input_ids", "labels", *MASK_COLUMNS) if k in feature}
     if "labels" not in out and "label_ids" in feature:  # the name the replaced collators also accept
         out["labels"] = _as_list(feature["label_ids"])
     mask = feature.get("attention_mask")
