@@ -38,8 +38,29 @@ def replace_args(args, overrides: dict):
         raise TypeError(f"TrainingArguments of this transformers version has no field(s) {unknown}")
     init_fields = {f.name for f in dataclasses.fields(args) if f.init}
     values = {k: getattr(args, k) for k in init_fields}
+    _reset_derived_fields(values, overrides)
     values.update(overrides)
     return type(args)(**values)
+
+
+# (derived, source): a config's ``__post_init__`` fills ``derived`` from ``source`` (and the batch shape) when it
+# is left None, fills both when both are None, and refuses both set. TRL's GRPOConfig, RLOOConfig and the
+# experimental GMPO/SDFT/SDPO configs: generation_batch_size = per_device_train_batch_size * world *
+# steps_per_generation (steps_per_generation defaults to gradient_accumulation_steps).
+DERIVED_FIELDS = (("generation_batch_size", "steps_per_generation"),)
+
+
+def _reset_derived_fields(values: dict, overrides: dict) -> None:
+    """A built config holds both fields of a derived pair (one given, one filled in), which its own
+    ``__post_init__`` then rejects on a rebuild: reset the one the overrides do not set (``derived`` when
+    neither), so it is filled in again from the other and the rebuilt config keeps every value."""
+    for derived, source in DERIVED_FIELDS:
+        if values.get(derived) is None or values.get(source) is None:
+            continue
+        if derived in overrides and source not in overrides:
+            values[source] = None
+        elif source in overrides or derived not in overrides:
+            values[derived] = None
 
 
 def enable_model_checkpointing(model, kwargs: dict) -> None:

@@ -7,8 +7,11 @@ before the Trainer's own ``__init__`` runs; the training loop stays the Trainer'
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
+import os
+import typing
 from typing import Any
 
 from transformers import Trainer, TrainingArguments
@@ -42,11 +45,18 @@ class SpeedupMixin(FsdpTrainerMixin):
         config = resolve(speedup)  # bad input fails here, before any model work
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         inputs.check(inputs.launch_problems())  # before TrainingArguments start torch.distributed
-        training_args = self.speedup_training_args(bound.arguments.get("args"))
+        given_args = bound.arguments.get("args")
+        if given_args is None:  # the config the next trainer would build itself (SFTConfig, DPOConfig, ...)
+            given_args = default_training_args(type(self), bound.arguments.get("model"))
+        training_args = self.speedup_training_args(given_args)
         inputs.check(inputs.output_dir_problems(training_args))  # before any model work
         if isinstance(bound.arguments.get("model"), str):  # a model id (TRL trainers take one): load it first,
-            bound.arguments["model"] = _load_model(bound.arguments["model"], config, training_args)  # so the plan sees it
-        peft_note = _adopt_peft_config(bound, training_args)  # the trainer's peft_config, applied here: it wins
+            # so the plan sees it; TRL's quantization_config is used here, and not again by the trainer
+            bound.arguments["model"] = _load_model(bound.arguments["model"], config, training_args,
+                                                   bound.arguments.pop("quantization_config", None))
+        wrapped_here = not hasattr(bound.arguments.get("model"), "peft_config")  # adapters made here are fresh
+        # the trainer's peft_config, applied here: it wins (and its chat template clone, done here before it)
+        peft_note, peft_overrides = _adopt_peft_config(bound, training_args)
         user_init = bound.arguments.get("model_init") if bound.arguments.get("model") is None else None
         if user_init is not None:  # the plan needs a model: the first one model_init makes, as the Trainer would
             bound.arguments["model"] = _call_model_init(user_init, None, training_args)
@@ -61,7 +71,8 @@ class SpeedupMixin(FsdpTrainerMixin):
         inputs.check(inputs.dataset_problems(
             bound.arguments.get("train_dataset"), training_args, collator=bound.arguments.get("data_collator"),
             processing_class=bound.arguments.get("processing_class"),
-            flattens=bool(getattr(data_plan, "padding_free", False)), plan_drop_last=data_plan.loader.get("drop_last")))
+            flattens=bool(data_plan.padding_free or data_plan.rows_flattened),
+            plan_drop_last=data_plan.loader.get("drop_last")))
         setup = Setup(model=model, args=training_args, data_collator=bound.arguments.get("data_collator"),
                       processing_class=bound.arguments.get("processing_class"),
                       trainer_builds_collator=_builds_own_collator(type(self)),
@@ -71,6 +82,7 @@ class SpeedupMixin(FsdpTrainerMixin):
         for feature in FEATURES:
             overrides.update(feature.training_args(self.speedup_plan[feature.NAME], training_args))
         overrides.update(redacted_overrides(training_args))  # hub_token & co. pickle as None (training_args.bin)
+        overrides.update(peft_overrides)
         for feature in FEATURES:
             feature.apply(self.speedup_plan[feature.NAME], setup, self.speedup_outcomes[feature.NAME])
         for outcome in self.speedup_outcomes.values():  # an override apply found it cannot honour after all
@@ -83,7 +95,10 @@ class SpeedupMixin(FsdpTrainerMixin):
             bound.arguments.update(model=None, model_init=self._speedup_model_init(user_init, setup.model))
         if setup.data_collator is not None:
             bound.arguments["data_collator"] = setup.data_collator
+        adapters_before = set(getattr(setup.model, "peft_config", None) or ())
         super().__init__(*bound.args, **bound.kwargs)
+        if wrapped_here and (note := _drop_reference_adapter(self.model, adapters_before)):
+            self.speedup_outcomes["lora"].notes.append(note)
         self.speedup_report = Report(self.speedup_plan, self.speedup_outcomes)
         # Features that act during training (e.g. ``profile``) bring callbacks; before the collector's, so
         # what they record at train end is in the report it writes.
@@ -167,8 +182,9 @@ class SpeedupMixin(FsdpTrainerMixin):
         return setup.model
 
     def speedup_training_args(self, args):
-        """The arguments to plan with: the caller's, or the trainer's default when none were given."""
-        return args if args is not None else TrainingArguments(output_dir="trainer_output")
+        """The arguments to plan with: the caller's, or :func:`default_training_args` when none were given
+        (a subclass may convert them, as :class:`~hf_speedup.trl_support.SpeedupSFTTrainer` does)."""
+        return args
 
 
 def _next_init_class(cls: type) -> type | None:
@@ -177,6 +193,51 @@ def _next_init_class(cls: type) -> type | None:
     own = set(SpeedupMixin.__mro__)
     start = mro.index(SpeedupMixin) + 1
     return next((c for c in mro[start:] if c not in own and "__init__" in vars(c)), None)
+
+
+def default_training_args(cls: type, model: Any) -> TrainingArguments:
+    """The arguments the next trainer builds when given ``args=None``, so planning sees the same defaults: a TRL
+    trainer builds the config class its ``__init__`` annotates, named after the model (``SFTConfig("Qwen3-SFT")``,
+    ``DPOConfig("Qwen3-DPO")``), whose defaults differ from TrainingArguments' (SFT: lr 2e-5, bf16, gradient
+    checkpointing) and whose fields it reads (DPO: ``model_init_kwargs``); else ``TrainingArguments``."""
+    args_cls = _annotated_args_class(cls) or TrainingArguments
+    output_dir = "trainer_output"
+    if args_cls is not TrainingArguments and args_cls.__name__.endswith("Config"):
+        name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+        output_dir = f"{str(name or '').split('/')[-1]}-{args_cls.__name__.removesuffix('Config')}"
+    return args_cls(output_dir=output_dir, **_buildable_precision())
+
+
+def _buildable_precision() -> dict:
+    """``bf16=False`` where no bf16 GPU is present: TRL's configs default to ``bf16=True``, which TrainingArguments
+    refuses there (stock TRL given no args raises); the plan's precision feature then picks the dtype (``baseline``:
+    fp32)."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    if is_torch_bf16_gpu_available() or is_torch_xla_available():
+        return {}
+    logger.info("hf_speedup: no args given and no bf16 GPU here: the default config is built with bf16=False")
+    return {"bf16": False}
+
+
+def _annotated_args_class(cls: type) -> type | None:
+    """The TrainingArguments subclass that the first ``__init__`` after SpeedupMixin's annotates for ``args``
+    (``SFTConfig | TrainingArguments | None`` -> SFTConfig); None where no ``__init__`` annotates one."""
+    own = set(SpeedupMixin.__mro__)
+    for klass in cls.__mro__[cls.__mro__.index(SpeedupMixin) + 1:]:
+        if klass in own or "__init__" not in vars(klass):
+            continue
+        param = inspect.signature(vars(klass)["__init__"]).parameters.get("args")
+        annotation = param.annotation if param is not None else inspect.Parameter.empty
+        if isinstance(annotation, str):  # ``from __future__ import annotations`` in the trainer's module
+            try:
+                annotation = eval(annotation, vars(inspect.getmodule(klass)))  # noqa: S307 - as inspect's eval_str
+            except Exception:
+                continue
+        for candidate in typing.get_args(annotation) or (annotation,):
+            if isinstance(candidate, type) and issubclass(candidate, TrainingArguments):
+                return candidate
+    return None
 
 
 def _builds_own_collator(cls: type) -> bool:
@@ -200,32 +261,117 @@ def _call_model_init(model_init, trial, args, seeded: bool = False):
     return model
 
 
-def _load_model(name: str, config, args):
-    """A model id or path, loaded the way the plan wants it (with the arguments' ``model_init_kwargs``)."""
+def _load_model(name: str, config, args, quantization_config=None):
+    """A model id or path, loaded the way the plan wants it, with what TRL's trainers load it with: the arguments'
+    ``model_init_kwargs``, the trainer's ``quantization_config`` (QLoRA from a model id) and ``trust_remote_code``;
+    under DDP/DeepSpeed no ``device_map`` of the caller's ("auto" fails there; the plan places a quantized model
+    on the local rank)."""
     from .loading import load_model
 
     kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+    if quantization_config is not None:
+        if "quantization_config" in kwargs:
+            raise ValueError(
+                "quantization_config is set both as a trainer argument and in args.model_init_kwargs "
+                f"({kwargs['quantization_config']!r}); allowed: one of the two; fix: drop "
+                "model_init_kwargs['quantization_config'] and keep the trainer argument")
+        kwargs["quantization_config"] = quantization_config
+    if getattr(getattr(args, "distributed_state", None), "distributed_type", None) in ("MULTI_GPU", "DEEPSPEED"):
+        kwargs.pop("device_map", None)
+    if hasattr(args, "trust_remote_code"):
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     logger.info("hf_speedup: loading %s before planning (the trainer was given a model id)", name)
     return load_model(name, speedup=config, **kwargs)
 
 
-def _adopt_peft_config(bound, args) -> str | None:
+def _adopt_peft_config(bound, args) -> tuple[str | None, dict]:
     """Wrap the model with the trainer's ``peft_config`` now (seeded as TRL does), so the plan, compile and the
-    report see the adapters; the trainer then gets the PeftModel. The user's LoRA wins over a preset's."""
+    report see the adapters; the trainer then gets the PeftModel. The user's LoRA wins over a preset's.
+
+    Returns (a note for the report, argument overrides for the trainer). A chat template that TRL would clone
+    (``chat_template_path``) is cloned here first, with TRL's handling of the tokens it adds, because TRL clones
+    before it applies ``peft_config``: the overrides then tell the trainer not to clone it a second time."""
     peft_config = bound.arguments.get("peft_config")
     model = bound.arguments.get("model")
     if peft_config is None or model is None or hasattr(model, "peft_config"):
-        return None  # nothing to adopt, or a PeftModel already: the trainer's own check speaks
+        return None, {}  # nothing to adopt, or a PeftModel already: the trainer's own check speaks
     from peft import get_peft_model
     from transformers import set_seed
 
     set_seed(getattr(args, "seed", 42))
-    bound.arguments["model"] = get_peft_model(model, peft_config)
+    overrides: dict = {}
+    if _clones_chat_template(args):
+        added_tokens = _clone_chat_template(bound, args)
+        peft_config = _with_added_tokens(peft_config, added_tokens)
+        overrides["chat_template_path"] = None
+    bound.arguments["model"] = get_peft_model(bound.arguments["model"], peft_config)
     bound.arguments["peft_config"] = None
     targets = getattr(peft_config, "target_modules", None)
     targets = sorted(targets) if isinstance(targets, (set, list, tuple)) else targets
     what = f"{type(peft_config).__name__}(r={getattr(peft_config, 'r', '?')}, target_modules={targets})"
-    return f"the trainer's peft_config {what} applied: it wins over the preset's lora section"
+    note = f"the trainer's peft_config {what} applied: it wins over the preset's lora section"
+    if overrides:
+        note += (f"; the chat template of {args.chat_template_path} cloned first (as TRL does), its new tokens "
+                 "trainable (trainable_token_indices, modules_to_save=['lm_head'])")
+    return note, overrides
+
+
+def _clones_chat_template(args) -> bool:
+    """TRL (SFT, reward) clones the template of a tokenizer named by ``chat_template_path``, adding its tokens;
+    a ``.jinja``/``.j2`` file only sets the template."""
+    path = getattr(args, "chat_template_path", None)
+    return path is not None and not (os.path.isfile(path) and str(path).endswith((".jinja", ".j2")))
+
+
+def _clone_chat_template(bound, args) -> list[int]:
+    """TRL's ``clone_chat_template`` on the bound model and processing class (loaded from the model as TRL loads
+    it when none was given); returns the ids of the tokens it added."""
+    from trl.chat_template_utils import clone_chat_template
+
+    model, processing_class = bound.arguments["model"], bound.arguments.get("processing_class")
+    if processing_class is None:
+        from transformers import AutoProcessor
+
+        revision = (getattr(args, "model_init_kwargs", None) or {}).get("revision")
+        processing_class = AutoProcessor.from_pretrained(getattr(model.config, "_name_or_path", ""), revision=revision,
+                                                         trust_remote_code=getattr(args, "trust_remote_code", False))
+    model, processing_class, added_tokens = clone_chat_template(model, processing_class, args.chat_template_path)
+    bound.arguments.update(model=model, processing_class=processing_class)
+    return list(added_tokens)
+
+
+def _with_added_tokens(peft_config, added_tokens: list[int]):
+    """A copy of ``peft_config`` that trains the added tokens' embeddings and the ``lm_head``, as TRL makes it
+    (TRL edits the caller's config in place; this leaves it as given)."""
+    if not added_tokens:
+        return peft_config
+    peft_config = copy.deepcopy(peft_config)
+    indices = peft_config.trainable_token_indices
+    if indices is None:
+        peft_config.trainable_token_indices = {"embed_tokens": list(added_tokens)}
+    elif isinstance(indices, dict):
+        indices.setdefault("embed_tokens", []).extend(added_tokens)
+    else:  # a list of ids for the input embedding
+        peft_config.trainable_token_indices = [*indices, *added_tokens]
+    if "lm_head" not in (peft_config.modules_to_save or []):
+        logger.warning("hf_speedup: cloning the chat template added tokens but 'lm_head' is not in the peft_config's "
+                       "modules_to_save; added it (as TRL does), so the model can learn to generate them")
+        peft_config.modules_to_save = [*(peft_config.modules_to_save or []), "lm_head"]
+    return peft_config
+
+
+def _drop_reference_adapter(model, adapters_before: set) -> str | None:
+    """Delete the frozen ``ref`` adapter a TRL trainer (DPO, KTO, GRPO, RLOO) added to the PeftModel hf_speedup
+    made: it copies a pretrained adapter for the reference model, but ours are fresh (a no-op, like the base
+    model), and stock TRL given ``peft_config`` adds none and scores the reference with the adapters disabled,
+    which it does again once ``ref`` is gone (it checks ``"ref" in model.peft_config`` on every step)."""
+    model = getattr(model, "_orig_mod", model)
+    added = set(getattr(model, "peft_config", None) or ()) - adapters_before
+    if "ref" not in added or not hasattr(model, "delete_adapter"):
+        return None
+    model.delete_adapter("ref")
+    return ("removed the frozen 'ref' adapter the trainer copied from hf_speedup's fresh one: the reference "
+            "model is the base model with adapters disabled, as with the trainer's own peft_config")
 
 
 class SpeedupTrainer(SpeedupMixin, Trainer):

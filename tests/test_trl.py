@@ -221,3 +221,177 @@ def test_explicit_choices_of_training_arguments_survive_the_sft_config_conversio
                                          "data": {"padding_free": False}})
     assert trainer.args.dataloader_drop_last is False
     assert "kept your TrainingArguments.dataloader_drop_last=False" in trainer.speedup_status["data"].reason
+
+
+# ---- regressions: a model id with quantization_config, GRPO-style configs, no args, DPO + peft_config, cloned templates
+
+
+def preference_rows():
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": f"{i}+{i}=", "chosen": str(2 * i), "rejected": str(2 * i + 1)}
+                              for i in range(32)])
+
+
+def dpo_args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "dpo"), per_device_train_batch_size=8, max_steps=1, logging_steps=1,
+                report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
+                dataloader_num_workers=0, gradient_checkpointing=False)
+    base.update(kw)
+    return trl.DPOConfig(**base)
+
+
+def test_quantization_config_loads_a_model_id_in_4bit(tmp_path, chat):
+    """TRL loads a model id with the trainer's quantization_config (QLoRA); hf_speedup loads the model first and
+    must pass it on (and not hand it to the trainer a second time, which would warn it is ignored)."""
+    import torch
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    from hf_speedup import SpeedupSFTTrainer
+
+    ds, tok = chat
+    small_llama().save_pretrained(tmp_path / "model")
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    trainer = SpeedupSFTTrainer(model=str(tmp_path / "model"), args=sft_args(tmp_path, max_steps=1), train_dataset=ds,
+                                processing_class=tok, quantization_config=quant, speedup="baseline",
+                                peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    trainer.train()
+    base = trainer.model.get_base_model()
+    assert base.is_loaded_in_4bit
+    layer = base.model.layers[0]
+    assert type(layer.self_attn.k_proj).__name__ == "Linear4bit"  # not adapted: the plain 4-bit base layer
+    assert type(layer.self_attn.q_proj.get_base_layer()).__name__ == "Linear4bit"
+
+
+def test_quantization_config_in_model_init_kwargs_too_is_refused(tmp_path, chat):
+    from transformers import BitsAndBytesConfig
+
+    from hf_speedup import SpeedupSFTTrainer
+
+    ds, tok = chat
+    quant = BitsAndBytesConfig(load_in_4bit=True)
+    with pytest.raises(ValueError, match="quantization_config is set both"):
+        SpeedupSFTTrainer(model=str(tmp_path / "never_loaded"), train_dataset=ds, processing_class=tok,
+                          args=sft_args(tmp_path, model_init_kwargs={"quantization_config": quant}),
+                          quantization_config=quant, speedup="baseline")
+
+
+def test_replace_args_keeps_grpo_and_rloo_generation_batch_fields():
+    """GRPOConfig/RLOOConfig fill generation_batch_size from steps_per_generation (or the reverse) and refuse both
+    set: a rebuilt copy must keep the values, whichever the caller (or an override) set."""
+    from hf_speedup.compat import replace_args
+
+    for config_cls in (trl.GRPOConfig, trl.RLOOConfig):
+        common = dict(output_dir="o", use_cpu=True, bf16=False, per_device_train_batch_size=4, num_generations=2)
+        by_steps = config_cls(**common, steps_per_generation=3)
+        copy = replace_args(by_steps, {"optim": "adamw_torch"})
+        assert (copy.optim, copy.steps_per_generation, copy.generation_batch_size) == ("adamw_torch", 3, 12)
+        by_size = config_cls(**common, generation_batch_size=8)
+        copy = replace_args(by_size, {"optim": "adamw_torch"})
+        assert (copy.steps_per_generation, copy.generation_batch_size) == (2, 8)
+        assert replace_args(by_size, {"generation_batch_size": 16}).steps_per_generation == 4  # re-derived
+        assert replace_args(by_size, {"steps_per_generation": 1}).generation_batch_size == 4
+
+
+def test_mixin_on_grpo_trainer_trains_with_the_auto_preset(tmp_path):
+    from datasets import Dataset
+
+    from hf_speedup.tiny import chat_tokenizer
+
+    class MyGRPOTrainer(SpeedupMixin, trl.GRPOTrainer):
+        pass
+
+    def reward(completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=2,
+                          max_completion_length=4, max_steps=2, logging_steps=1, report_to=[], use_cpu=True,
+                          bf16=False, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+                          gradient_checkpointing=False)
+    trainer = MyGRPOTrainer(model=small_llama(), reward_funcs=reward, args=args, processing_class=chat_tokenizer(),
+                            train_dataset=Dataset.from_list([{"prompt": f"{i}+{i}="} for i in range(16)]),
+                            speedup="auto")
+    assert (trainer.args.generation_batch_size, trainer.args.steps_per_generation) == (4, 1)
+    trainer.train()
+    assert trainer.state.global_step == 2 and len(losses(trainer)) == 2
+
+
+def test_without_args_a_trl_trainer_gets_its_own_config_class_and_defaults(tmp_path, chat, monkeypatch):
+    """Given no args, TRL trainers build their own config (SFTConfig("<model>-SFT"), DPOConfig(...)): the mixin must
+    plan with the same class, its defaults and fields (DPO reads model_init_kwargs), not a plain TrainingArguments."""
+    from hf_speedup.tiny import chat_tokenizer
+
+    class MySFTTrainer(SpeedupMixin, trl.SFTTrainer):
+        pass
+
+    class MyDPOTrainer(SpeedupMixin, trl.DPOTrainer):
+        pass
+
+    monkeypatch.chdir(tmp_path)  # the default output_dir is relative
+    ds, tok = chat
+    sft = MySFTTrainer(model=small_llama(), train_dataset=ds, processing_class=tok, speedup="baseline")
+    defaults = trl.SFTConfig(output_dir="x", use_cpu=True)
+    assert type(sft.args) is trl.SFTConfig
+    for field in ("learning_rate", "logging_steps", "gradient_checkpointing", "max_length"):
+        assert getattr(sft.args, field) == getattr(defaults, field), field
+    small_llama().save_pretrained(tmp_path / "tiny")
+    dpo = MyDPOTrainer(model=str(tmp_path / "tiny"), train_dataset=preference_rows(), processing_class=chat_tokenizer(),
+                       speedup="baseline")
+    assert type(dpo.args) is trl.DPOConfig and dpo.args.output_dir == "tiny-DPO"
+    assert dpo.args.learning_rate == trl.DPOConfig(output_dir="x", use_cpu=True).learning_rate
+
+
+def test_dpo_with_peft_config_has_only_the_users_adapter(tmp_path):
+    """Stock DPOTrainer with peft_config trains one adapter and scores the reference with adapters disabled; the
+    mixin wraps the model before DPOTrainer runs, which then took it for a pretrained adapter and added a frozen
+    'ref' copy (parameters, compute, saved with the model)."""
+    from peft import LoraConfig
+
+    from hf_speedup.tiny import chat_tokenizer
+
+    class MyDPOTrainer(SpeedupMixin, trl.DPOTrainer):
+        pass
+
+    user = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = MyDPOTrainer(model=small_llama(), args=dpo_args(tmp_path), train_dataset=preference_rows(),
+                           processing_class=chat_tokenizer(), peft_config=user, speedup="lora")
+    assert list(trainer.model.peft_config) == ["default"]
+    assert not [n for n, _ in trainer.model.named_parameters() if ".ref." in n]
+    state = trainer.speedup_status["lora"]
+    assert state.engaged and "the trainer's peft_config LoraConfig(r=4" in state.reason
+    preset_only = MyDPOTrainer(model=small_llama(), args=dpo_args(tmp_path), train_dataset=preference_rows(),
+                               processing_class=chat_tokenizer(), speedup=eager_preset("lora"))
+    assert list(preset_only.model.peft_config) == ["default"] and preset_only.speedup_status["lora"].engaged
+    trainer.train()
+    assert len(losses(trainer)) == 1 and all(loss == loss for loss in losses(trainer))
+
+
+def test_chat_template_clone_with_peft_config_keeps_the_new_tokens_trainable(tmp_path, chat):
+    """TRL clones chat_template_path's tokenizer before applying peft_config and makes the tokens it adds trainable
+    (trainable_token_indices + lm_head in modules_to_save); hf_speedup applies peft_config early, so it must too."""
+    from peft import LoraConfig
+
+    from hf_speedup import SpeedupSFTTrainer
+    from hf_speedup.tiny import chat_tokenizer
+
+    source = chat_tokenizer()
+    source.add_special_tokens({"additional_special_tokens": ["<|newturn|>"]})
+    source.save_pretrained(tmp_path / "source")
+    ds, _ = chat
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = sft_args(tmp_path, max_steps=1, chat_template_path=str(tmp_path / "source"), gradient_checkpointing=False)
+    built = {}
+    for cls, kw in ((trl.SFTTrainer, {}), (SpeedupSFTTrainer, {"speedup": "baseline"})):
+        trainer = cls(model=small_llama(), args=args, train_dataset=ds, processing_class=chat_tokenizer(),
+                      peft_config=lora, **kw)
+        config = trainer.model.peft_config["default"]
+        trainable = sorted(n for n, p in trainer.model.named_parameters()
+                           if p.requires_grad and ("embed" in n or "lm_head" in n))
+        built[cls] = (config.trainable_token_indices, config.modules_to_save, trainable,
+                      len(trainer.processing_class), trainer.model.get_input_embeddings().weight.shape)
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")  # TRL edits its own
+    assert built[SpeedupSFTTrainer] == built[trl.SFTTrainer]
+    indices, modules, trainable, *_ = built[SpeedupSFTTrainer]
+    assert indices["embed_tokens"] and modules == ["lm_head"] and len(trainable) == 2
+    assert "chat template" in trainer.speedup_status["lora"].reason
