@@ -126,6 +126,16 @@ class TestDecide:
         assert "TrainingArguments.torch_compile=True" in d.reason and "compiled twice" in d.reason
         assert rc.training_args(d, args) == {}
 
+    def test_dynamic_shapes_on_cuda_keep_max_autotune_but_not_its_cuda_graphs(self):
+        """CUDA graphs with a dynamic sequence dimension are re-recorded for every new length (a growing pool)."""
+        d = build_plan(compile_cfg(backend="inductor", mode="max-autotune", dynamic=True), fake_caps(**CUDA_H100),
+                       TINY_INFO)["compile"]
+        assert rc.compile_kwargs_of(d)["mode"] == "max-autotune-no-cudagraphs"
+        assert "max-autotune without CUDA graphs" in d.reason
+        static = build_plan(compile_cfg(backend="inductor", mode="max-autotune", dynamic=False),
+                            fake_caps(**CUDA_H100), TINY_INFO)["compile"]
+        assert rc.compile_kwargs_of(static)["mode"] == "max-autotune"
+
     def test_static_shapes_without_padding_warns_about_recompiles(self):
         d = build_plan(compile_cfg(dynamic=False), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
         assert "each new sequence length recompiles" in d.reason
@@ -191,6 +201,19 @@ class TestApply:
         assert_same_grads(grads, ref_grads)
         stats = rc.compile_stats(tiny_model)
         assert stats["compiles"] == 4 and stats["recompiles"] == 0  # the nn.Linear head really compiled too
+
+    def test_generation_with_a_kv_cache_runs_the_blocks_eager_and_training_still_compiles(self, tiny_model, tokenizer):
+        """Each block's cache slot would be a new guard on the one forward all blocks share: generate() (TRL's
+        online trainers call it between steps) would spend the recompile limit and leave training eager."""
+        compiled(tiny_model, backend="eager")
+        tiny_model.config.use_cache = True
+        tiny_model.eval()
+        tiny_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+        assert rc.compile_stats(tiny_model)["compiles"] == 0
+        tiny_model.train()
+        tiny_model.config.use_cache = False
+        tiny_model(**batch(tokenizer, [10, 10])).loss.backward()
+        assert rc.compile_stats(tiny_model)["compiles"] >= 1
 
     def test_loss_int_token_count_does_not_recompile(self, tiny_model, tokenizer):
         compiled(tiny_model, backend="aot_eager", regions="blocks+head")

@@ -88,10 +88,15 @@ def decide(ctx: PlanContext) -> Decision:
                     "gains here); use preset 'fast' for compiled blocks on CPU", settings)
     if _padding_free(ctx) and settings.dynamic is not True:
         settings = replace(settings, dynamic=True)  # one graph for every row length (see _on_reason)
+    if caps.is_cuda and settings.dynamic is True and settings.mode == "max-autotune":
+        settings = replace(settings, mode=NO_CUDAGRAPHS)  # see _on_reason
     autotune = _autotunes_cpu_gemms(cfg, caps) and settings.dynamic is not True
     settings = replace(settings, cpu_gemm="autotune" if autotune else "default")
     return Decision(NAME, requested=requested, applied=f"{cfg.regions}:{cfg.backend}",
                     reason=_on_reason(ctx, settings), settings=settings)
+
+
+NO_CUDAGRAPHS = "max-autotune-no-cudagraphs"
 
 
 def _on_reason(ctx: PlanContext, s: Settings) -> str:
@@ -110,6 +115,9 @@ def _on_reason(ctx: PlanContext, s: Settings) -> str:
     if s.cpu_gemm == "autotune":
         parts.append("max-autotune on CPU: each GEMM shape runs on MKL or oneDNN, whichever is faster here "
                      "(inductor's own GEMM templates need frozen weights, so they cannot serve training)")
+    if s.mode == NO_CUDAGRAPHS and ctx.config.compile.mode == "max-autotune":
+        parts.append("max-autotune without CUDA graphs: with a dynamic sequence dimension inductor would record "
+                     "new graphs for every length seen, their memory pool growing step after step")
     if _padding_free(ctx):
         parts.append(f"padding-free rows change length every step: the sequence dimension is compiled dynamic "
                      f"(dynamic={ctx.config.compile.dynamic} asked), one graph for every length instead of a "
@@ -162,7 +170,7 @@ class GuardedRegion:
         self.compile_seconds = 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fallback_reason is not None:
+        if self.fallback_reason is not None or _decoding(kwargs):
             return self.eager(*args, **kwargs)
         before = _graphs_so_far()
         start = time.perf_counter()
@@ -187,6 +195,16 @@ class GuardedRegion:
     def __repr__(self) -> str:
         state = f"eager fallback ({self.fallback_reason})" if self.fallback_reason else "compiled"
         return f"GuardedRegion({self.label}, {state})"
+
+
+def _decoding(kwargs: dict) -> bool:
+    """A no-grad forward with a KV cache (``generate()``, TRL's online trainers between steps): eager. Each
+    block's cache slot is a different guard, so compiling it would spend dynamo's recompile limit, which the
+    blocks share (one ``forward`` code object), and leave the training steps after it running eager."""
+    import torch
+
+    cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+    return cache is not None and not torch.is_grad_enabled()
 
 
 def _graphs_so_far() -> int:
