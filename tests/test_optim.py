@@ -73,6 +73,27 @@ def test_multi_process_decides_the_same():
     assert plan_for(dict(CUDA_H100, world_size=2), "adamw_8bit").settings == plan_for(CUDA_H100, "adamw_8bit").settings
 
 
+def _under_fsdp(name: str, version: int, strict: bool = False):
+    from hf_speedup.features.fsdp import Settings as FsdpSettings
+    from hf_speedup.plan_types import Decision, PlanContext
+
+    cfg = get_preset("baseline").replace(optimizer={"name": name, "strict": strict})
+    ctx = PlanContext(config=cfg, caps=fake_caps(**dict(CUDA_H100, world_size=2)), model=None, args=None)
+    ctx.decisions["fsdp"] = Decision("fsdp", True, f"fsdp{version}:full_shard", "sharded",
+                                     settings=FsdpSettings(version=version))
+    return optim.decide(ctx)
+
+
+def test_8bit_state_falls_back_under_fsdp2_whose_dtensors_bitsandbytes_cannot_step():
+    for name in ("adamw_8bit", "paged_adamw_8bit"):
+        d = _under_fsdp(name, version=2)
+        assert d.applied == "adamw_fused" and "does not take FSDP2's sharded parameters" in d.fallbacks[0]
+    assert _under_fsdp("adamw_8bit", version=1).applied == "adamw_8bit"  # FSDP1's flat parameters are plain tensors
+    with pytest.raises(SpeedupConfigError, match=r"optimizer.name = 'adamw_8bit' cannot run on this machine "
+                                                 r"\(bitsandbytes' 8-bit optimizer state does not take FSDP2"):
+        _under_fsdp("adamw_8bit", version=2, strict=True)
+
+
 def test_transformers_builds_fused_adamw_from_the_optim_name(make_args):
     """The contract we rely on: optim='adamw_torch_fused' -> torch.optim.AdamW(fused=True), also on CPU."""
     from transformers import Trainer

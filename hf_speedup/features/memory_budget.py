@@ -238,7 +238,7 @@ def _levels(trial: _Trial) -> list[tuple[str, dict, str | None]]:
         levels.append(("checkpointing every block", dict(changes), None))
     opt = ctx.decisions.get("optimizer")
     if opt is None or OPTIM_KIND.get(opt.settings.optim) not in ("adamw_8bit", "paged_adamw_8bit"):
-        ok, why = optimizer.runnable("adamw_8bit", ctx.caps)
+        ok, why = optimizer.runnable("adamw_8bit", ctx.caps, optimizer.shards_with_fsdp2(ctx))
         changes = {**changes, "optimizer.name": "adamw_8bit"} if ok else changes
         levels.append(("+ 8-bit AdamW states", dict(changes), None if ok else why))
     if getattr(ctx.config, "loss", None) is not None and ctx.config.loss.chunked is False:

@@ -62,29 +62,35 @@ def _default_optim() -> str:
     return str(getattr(field.default, "value", field.default))
 
 
-def runnable(name: str, caps) -> tuple[bool, str]:
+FSDP2_8BIT = ("bitsandbytes' 8-bit optimizer state does not take FSDP2's sharded parameters (its update kernel "
+              "gets mixed torch.Tensor and DTensor arguments)")
+
+
+def runnable(name: str, caps, fsdp2: bool = False) -> tuple[bool, str]:
     if name in ("adamw_8bit", "paged_adamw_8bit"):
+        if fsdp2:
+            return False, FSDP2_8BIT
         return caps.bitsandbytes, caps.bitsandbytes_reason or "bitsandbytes is not usable here"
     if name == "adamw_fused":
         return caps.fused_adamw, f"torch has no fused AdamW for {caps.device_type} here"
     return True, ""
 
 
-def _walk_chain(wanted: str, caps, strict: bool) -> tuple[str, list[str]]:
+def _walk_chain(wanted: str, caps, strict: bool, fsdp2: bool = False) -> tuple[str, list[str]]:
     chain = CHAIN_TAIL[CHAIN_TAIL.index(wanted):] if wanted in CHAIN_TAIL else (wanted, *CHAIN_TAIL)
 
     def strict_error(name: str, why: str) -> SpeedupConfigError:
-        allowed = [n for n in TO_HF if runnable(n, caps)[0]] + ["auto", "keep"]
+        allowed = [n for n in TO_HF if runnable(n, caps, fsdp2)[0]] + ["auto", "keep"]
         return SpeedupConfigError([
             f"optimizer.name = {name!r} cannot run on this machine ({why}) and optimizer.strict = true; "
             f"allowed here: {', '.join(repr(a) for a in allowed)}; fix: set optimizer.name: auto (or one of the "
             "allowed values), or optimizer.strict: false to fall back along 8-bit -> fused -> AdamW"
         ])
 
-    return walk_chain(chain, lambda name: runnable(name, caps), strict_error if strict else None)
+    return walk_chain(chain, lambda name: runnable(name, caps, fsdp2), strict_error if strict else None)
 
 
-def _resolve(s, caps, user: str | None) -> tuple[str, str, str, list[str], bool]:
+def _resolve(s, caps, user: str | None, fsdp2: bool = False) -> tuple[str, str, str, list[str], bool]:
     """(our name or the user's raw optim, TrainingArguments.optim, reason, fallbacks, keep the args as they are)."""
     if s.name == "keep":
         raw = user or _default_optim()
@@ -95,12 +101,12 @@ def _resolve(s, caps, user: str | None) -> tuple[str, str, str, list[str], bool]
                                 "hf_speedup manages)"), [], True
         # an 8-bit optimizer already in the user's args is an explicit wish: auto starts the chain there
         wanted = FROM_HF[user] if user in FROM_HF and KIND[FROM_HF[user]].endswith("8bit") else "adamw_fused"
-        name, fallbacks = _walk_chain(wanted, caps, s.strict)
+        name, fallbacks = _walk_chain(wanted, caps, s.strict, fsdp2)
         reason = _why(name, caps) if not fallbacks else f"auto: {wanted} cannot run here -> {name}"
         if user and user != TO_HF[name] and not fallbacks:
             reason += f"; replaces TrainingArguments' optim={user!r}"
         return name, TO_HF[name], reason, fallbacks, False
-    name, fallbacks = _walk_chain(s.name, caps, s.strict)
+    name, fallbacks = _walk_chain(s.name, caps, s.strict, fsdp2)
     reason = f"{name} as requested: {_why(name, caps)}" if name == s.name else f"{s.name} cannot run here -> {name}"
     if user and user != TO_HF[name]:
         reason += f"; overrides TrainingArguments' optim={user!r} (optimizer.name is explicit)"
@@ -117,9 +123,14 @@ def _why(name: str, caps) -> str:
     }[name]
 
 
+def shards_with_fsdp2(ctx: PlanContext) -> bool:
+    fsdp = ctx.decisions.get("fsdp")
+    return bool(fsdp is not None and fsdp.active and getattr(fsdp.settings, "version", None) == 2)
+
+
 def decide(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.optimizer, ctx.caps
-    applied, hf_name, reason, fallbacks, keep = _resolve(s, caps, args_optim(ctx.args))
+    applied, hf_name, reason, fallbacks, keep = _resolve(s, caps, args_optim(ctx.args), shards_with_fsdp2(ctx))
     if hf_name in ("adamw_bnb_8bit", "paged_adamw_8bit"):
         reason += "; embeddings keep 32-bit state (transformers registers that override)"
     for fb in fallbacks:
