@@ -10,14 +10,18 @@ What the preset decides:
   launched GPU run on that layout (``features/fsdp``: the same settings and the same translation into
   accelerate's options as the Trainer path): ``fsdp_version: 2``, ``TRANSFORMER_BASED_WRAP`` (the block
   class comes from the model's ``_no_split_modules``, the same class hf_speedup's block finder uses),
-  ``fsdp_reshard_after_forward`` from the strategy, CPU offload, state-dict type, CPU-RAM-efficient loading
-  and FSDP's own activation checkpointing when the preset checkpoints. ``hybrid_shard`` on several machines
-  is HSDP: ``parallelism_config`` with one replica per machine, sharded within it.
+  ``fsdp_reshard_after_forward`` from the strategy (FSDP1, i.e. ``no_shard``: also ``fsdp_sharding_strategy``,
+  since the launcher exports FSDP_SHARDING_STRATEGY and accelerate's FSDP1 prefers it), CPU offload,
+  state-dict type, CPU-RAM-efficient loading and FSDP's own activation checkpointing when the preset
+  checkpoints. ``hybrid_shard`` on several machines is HSDP: ``parallelism_config`` with one replica per
+  machine, sharded within it.
 - otherwise: one process -> ``distributed_type: NO``; several -> ``MULTI_GPU`` (DDP).
 - ``mixed_precision``: bf16 unless the preset keeps the user's precision or asks for fp16/fp32.
 - ``dynamo_config``: accelerate's regional compilation (one compile of the repeated block, reused) when
   the preset compiles (``compile.enabled`` auto/true); left out with CPU offload, where host<->device
-  copies dominate the step.
+  copies dominate the step. With ``--speedup`` and hf_speedup's compile decision active, SpeedupTrainer turns
+  accelerate's dynamo off (hf_speedup already compiled the blocks; the compile reason says so); the file's
+  ``dynamo_config`` serves the stock Trainer.
 
 These files are for GPU machines. With ``--speedup`` (SpeedupTrainer) the preset's own FSDP settings
 reach the Trainer through TrainingArguments and take precedence over the file's ``fsdp_config``; the file

@@ -2,8 +2,8 @@
 
 - QLoRA: the base is quantized while it loads (bitsandbytes NF4, double quantization, compute dtype
   = the precision decision's; quant storage = that dtype when FSDP shards the model, since FSDP needs
-  one dtype per flat parameter, else bitsandbytes' uint8). A model handed to the trainer is never
-  re-quantized.
+  one dtype per flat parameter, else bitsandbytes' uint8). With several processes (DDP or FSDP) each rank
+  loads onto its own GPU (``device_map={"": LOCAL_RANK}``). A model handed to the trainer is never re-quantized.
 - dtype: a frozen base (LoRA/QLoRA) loads in the compute dtype (bf16/fp16 where the precision
   decision picked it) to halve its memory; a fully fine-tuned model loads in fp32, the master
   weights mixed precision expects.
@@ -54,8 +54,10 @@ def load_kwargs(name_or_path: str | os.PathLike, plan, **user_kwargs: Any) -> tu
             ours["quantization_config"] = cfg
     elif bits:
         ours["quantization_config"] = bnb_config(plan, bits)
-        if plan.caps.world_size > 1 and not plan["fsdp"].active:
-            ours["device_map"] = {"": plan.caps.local_rank}  # bitsandbytes' default is cuda:0 on every rank
+        if plan.caps.world_size > 1:
+            # bitsandbytes' default is cuda:0 on every rank, and FSDP is no exception: transformers loads a
+            # quantized model whole on every rank (no rank-0-only loading), so each rank quantizes onto its own GPU
+            ours["device_map"] = {"": plan.caps.local_rank}
     overridden = sorted(k for k in ours if k in user_kwargs and k != "gguf_file")
     if overridden:
         logger.info("hf_speedup.load_model: keeping the caller's %s over the plan's choice", overridden)

@@ -16,8 +16,10 @@ from .model_shape import ModelShape, held_weights, model_shape, owners
 class ModelInfo:
     architecture: str = "unknown"
     model_type: str = "unknown"
-    block_class: str | None = None
+    block_class: str | None = None  # the first block class in forward order
     num_blocks: int = 0
+    # every block class, in forward order (a vision-language model has a vision and a text block); FSDP wraps all
+    block_classes: tuple[str, ...] = ()
     hidden_size: int | None = None
     num_layers: int | None = None
     vocab_size: int | None = None
@@ -195,6 +197,7 @@ def describe_model(model: nn.Module) -> ModelInfo:
         model_type=str(getattr(cfg, "model_type", "unknown")),
         block_class=names[0] if names else None,
         num_blocks=len(blocks),
+        block_classes=tuple(names),
         hidden_size=getattr(text_cfg, "hidden_size", None),
         num_layers=getattr(text_cfg, "num_hidden_layers", None),
         vocab_size=getattr(text_cfg, "vocab_size", None),

@@ -171,6 +171,7 @@ def test_no_shard_needs_fsdp1_through_accelerate():
     d = accelerate_config_dict(get_preset("fsdp").replace(fsdp={"strategy": "no_shard"}), 8)
     assert d["fsdp_config"]["fsdp_version"] == 1
     assert d["fsdp_config"]["fsdp_reshard_after_forward"] == "NO_SHARD"
+    assert d["fsdp_config"]["fsdp_sharding_strategy"] == "NO_SHARD"
     assert d["fsdp_config"]["fsdp_use_orig_params"] is True
 
 
@@ -185,3 +186,23 @@ def test_bad_layout_is_one_error_listing_every_problem():
         write_accelerate_config("fsdp", 8, mixed_precision="fp8")
     with pytest.raises(SpeedupConfigError, match=r"speedup = 'nope' is not a known preset"):
         write_accelerate_config("nope", 8)
+
+
+def test_fsdp1_no_shard_file_gives_the_processes_no_shard(tmp_path, monkeypatch):
+    """The launcher exports FSDP_SHARDING_STRATEGY (default FULL_SHARD), which accelerate's FSDP1 prefers over
+    reshard_after_forward: the file must name the strategy there too."""
+    import accelerate.utils.dataclasses as accelerate_dataclasses
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import ShardingStrategy
+
+    path = write_accelerate_config(get_preset("fsdp").replace(fsdp={"strategy": "no_shard"}), 8,
+                                   path=tmp_path / "no_shard.yaml")
+    for var in [v for v in os.environ if v.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))]:
+        monkeypatch.delenv(var)
+    _, env = _launch_env(path, monkeypatch)
+    assert (env["FSDP_VERSION"], env["FSDP_SHARDING_STRATEGY"]) == ("1", "NO_SHARD")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # sync_module_states asks for a device id
+    monkeypatch.setattr(accelerate_dataclasses, "is_cuda_available", lambda: True)
+    plugin = FullyShardedDataParallelPlugin()  # from the env, as in a launched process
+    assert (plugin.sharding_strategy or plugin.reshard_after_forward) == ShardingStrategy.NO_SHARD

@@ -326,3 +326,177 @@ def test_fsdp_arguments_for_old_and_new_transformers():
         "fsdp": "full_shard auto_wrap offload", "fsdp_config": {"version": 2, "reshard_after_forward": True}}
     assert compat.fsdp_training_args(cfg, "full_shard", True) == {"fsdp": True, "fsdp_config": cfg}
     assert compat.fsdp2_support()[0] is True  # torch 2.13 + accelerate 1.15
+
+
+# ------------------------------------------------------------------------------------------ accelerate's live plugin
+@pytest.fixture
+def fake_world_of_two():
+    """A two-rank process group in this one process (torch's fake backend: collectives do nothing), so FSDP1
+    really shards a model here and the live FlatParameters show what each rank would hold."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def _plugin(monkeypatch, make_args, decision, plan, **env):
+    """accelerate's FSDP plugin as SpeedupTrainer builds it: TrainingArguments from the decision, the
+    trainer hook's additions, then the launch environment ``env`` (what ``accelerate launch`` exports)."""
+    import accelerate.utils.dataclasses as accelerate_dataclasses
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_speedup.features.fsdp.trainer_hooks import FsdpTrainerMixin
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    targs = make_args(**fsdp.training_args(decision, None))
+    trainer = FsdpTrainerMixin.__new__(FsdpTrainerMixin)
+    trainer.args, trainer.speedup_plan = targs, plan
+    trainer._speedup_fsdp_plugin_args(decision)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # FSDP1 sync_module_states asks for a device id
+    monkeypatch.setattr(accelerate_dataclasses, "is_cuda_available", lambda: True)
+    return FullyShardedDataParallelPlugin(**targs.fsdp_plugin_args)
+
+
+def _wrap_fsdp1(model, plugin):
+    """What Accelerator.prepare_model does with an FSDP1 plugin (accelerator.py: sharding_strategy first)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP(model, sharding_strategy=plugin.sharding_strategy or plugin.reshard_after_forward,
+                cpu_offload=plugin.cpu_offload, use_orig_params=plugin.use_orig_params,
+                device_id=torch.device("cpu"))
+
+
+def test_fsdp1_no_shard_reaches_the_live_model(monkeypatch, make_args, tiny_model, fake_world_of_two):
+    from torch.distributed.fsdp import MixedPrecision as Fsdp1MixedPrecision
+    from torch.distributed.fsdp import ShardingStrategy
+
+    launched(monkeypatch)
+    plan = build_plan(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))
+    d = plan["fsdp"]
+    # the launcher exports FSDP_SHARDING_STRATEGY=FULL_SHARD unless the YAML says otherwise
+    plugin = _plugin(monkeypatch, make_args, d, plan, FSDP_SHARDING_STRATEGY="FULL_SHARD", FSDP_VERSION="1")
+    assert plugin.sharding_strategy == ShardingStrategy.NO_SHARD
+    # the reason's "reduce float32" holds for FSDP1 too
+    assert "reduce float32" in d.reason
+    assert plugin.mixed_precision_policy == Fsdp1MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+
+    class FakeTrainer:
+        model = model_wrapped = _wrap_fsdp1(tiny_model, plugin)
+
+    engaged, reason = fsdp.verify(d, FakeTrainer(), Outcome())
+    assert engaged, reason
+    assert reason.endswith("(replicated on purpose: no_shard)")
+
+
+def test_verify_catches_no_shard_that_runs_sharded(tiny_model, fake_world_of_two, monkeypatch):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    launched(monkeypatch)
+    d = build_plan(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
+    monkeypatch.delenv("LOCAL_RANK")
+
+    class FakeTrainer:  # what accelerate did before: FULL_SHARD from the launch environment
+        model = model_wrapped = _wrap_fsdp1(tiny_model, FullyShardedDataParallelPlugin(
+            fsdp_version=1, sharding_strategy="FULL_SHARD", use_orig_params=True))
+
+    engaged, reason = fsdp.verify(d, FakeTrainer(), Outcome())
+    assert not engaged and "NOT no_shard — FSDP1 runs FULL_SHARD" in reason, reason
+
+
+def test_launch_yaml_offload_does_not_override_the_preset(monkeypatch, make_args, tiny_model, fake_world_of_two):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    launched(monkeypatch)
+    for k, v in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}.items():
+        monkeypatch.setenv(k, v)  # configs/accelerate/fsdp2_offload.yaml under accelerate launch
+    plan = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 8}), tiny_model)
+    d = plan["fsdp"]
+    assert d.settings.cpu_offload is False and "fsdp_offload_params=true (preset: false)" in d.reason
+    plugin = _plugin(monkeypatch, make_args, d, plan)
+    assert not isinstance(plugin.cpu_offload, CPUOffloadPolicy)  # the preset's false wins, as the reason says
+
+    # and verify flags offload nobody asked for (FSDP1 says so on its live modules)
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    monkeypatch.delenv("FSDP_VERSION")
+    v1 = FullyShardedDataParallelPlugin(fsdp_version=1, sharding_strategy="FULL_SHARD", use_orig_params=True)
+    assert v1.cpu_offload.offload_params is True  # from FSDP_OFFLOAD_PARAMS
+
+    class FakeTrainer:
+        model = model_wrapped = _wrap_fsdp1(tiny_model, v1)
+
+    engaged, reason = fsdp.verify(d, FakeTrainer(), Outcome())
+    assert not engaged and "CPU offload in force but NOT asked for" in reason, reason
+
+
+def test_every_block_class_of_a_vision_language_model_is_wrapped(monkeypatch, make_args):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    cfg = Qwen2VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2))
+    model = Qwen2VLForConditionalGeneration(cfg)
+    launched(monkeypatch)
+    plan = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 2}), model)
+    d = plan["fsdp"]
+    want = ["Qwen2VLVisionBlock", "Qwen2VLDecoderLayer"]
+    assert fsdp.training_args(d, None)["fsdp_config"]["transformer_layer_cls_to_wrap"] == want
+    assert "each Qwen2VLVisionBlock, Qwen2VLDecoderLayer" in d.reason
+    plugin = _plugin(monkeypatch, make_args, d, plan)
+    assert plugin.transformer_cls_names_to_wrap == want
+    plugin.set_auto_wrap_policy(model)  # what accelerate does before sharding: both classes become FSDP units
+    assert {c.__name__ for c in plugin.auto_wrap_policy.keywords["transformer_layer_cls"]} == set(want)
+
+
+def test_accelerate_does_not_compile_over_hf_speedups_compiled_blocks(monkeypatch, tiny_model, dataset, collator,
+                                                                       make_args):
+    from accelerate.utils import DynamoBackend
+
+    from hf_speedup import SpeedupTrainer
+    from hf_speedup.features.compile import guarded_regions
+
+    for k, v in {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "True",
+                 "ACCELERATE_DYNAMO_MODE": "default"}.items():
+        monkeypatch.setenv(k, v)  # an accelerate launch YAML's dynamo_config
+    speedup = get_preset("baseline").replace(compile={"enabled": True, "backend": "eager"})
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
+                             data_collator=collator, speedup=speedup)
+    assert trainer.speedup_plan["compile"].active and len(guarded_regions(tiny_model)) == 4
+    assert trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
+    prepared = trainer.accelerator.prepare_model(tiny_model)  # what train() does: no second compile
+    assert len(guarded_regions(prepared)) == 4 and prepared is tiny_model
+    state = FeatureState(trainer.speedup_plan["compile"], trainer.speedup_outcomes["compile"])
+    assert "accelerate's dynamo_config (INDUCTOR, regional) turned off" in state.reason
+
+
+def test_an_fsdp_launch_config_shards_a_non_fsdp_preset_and_the_report_says_so(monkeypatch, tiny_model,
+                                                                                fake_world_of_two):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from hf_speedup.features.fsdp.shard import shard_model
+
+    launched(monkeypatch)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch with an FSDP2 YAML
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    d = build_plan("lora", fake_caps(**{**CUDA_H100, "world_size": 2}), tiny_model)["fsdp"]
+    assert d.active and d.applied == "fsdp2 (launch config)" and d.requested is False
+    assert "the accelerate launch config enables FSDP2 (ACCELERATE_USE_FSDP): accelerate shards the model" in d.reason
+    assert fsdp.training_args(d, None) == {}  # hf_speedup adds nothing: the launch file's settings apply
+    assert FullyShardedDataParallelPlugin().fsdp_version == 2  # what accelerate builds from that environment
+
+    class FakeTrainer:  # the live model after accelerate sharded it
+        model = model_wrapped = tiny_model
+
+    shard_model(tiny_model, ShardSpec(mesh_shape=(2,), broadcast_from_rank0=False))
+    engaged, reason = fsdp.verify(d, FakeTrainer(), Outcome())
+    assert engaged and reason.startswith("accelerate's FSDP from the launch config, not the preset: FSDP2 full_shard")
+
+    cpu = build_plan("lora", fake_caps(**CPU2))["fsdp"]  # accelerate enables no FSDP on CPU: DDP, said so
+    assert not cpu.active and "accelerate enables FSDP only on accelerators" in cpu.reason

@@ -136,3 +136,14 @@ def test_gguf_roundtrip_loads_trainable(tiny_model, tmp_path, quant, atol):
     from transformers.trainer_utils import validate_quantization_for_training
 
     validate_quantization_for_training(model)  # what Trainer.__init__ checks: passes without any flag surgery
+
+
+def test_each_rank_loads_its_quantized_copy_on_its_own_gpu_under_fsdp_too(monkeypatch):
+    """transformers loads a quantized model whole on every rank even under FSDP: without a device_map every
+    rank would quantize onto cuda:0."""
+    monkeypatch.setenv("LOCAL_RANK", "3")  # a launched run: FSDP through accelerate
+    p = plan(get_preset("fsdp-lora").replace(lora={"quantization": "4bit"}), CUDA_H100, world_size=8, local_rank=3)
+    assert p["fsdp"].active and p["fsdp"].settings.qlora_quant_storage is torch.bfloat16
+    kw = load_kwargs("some/model", p)[1]
+    assert kw["device_map"] == {"": 3}
+    assert kw["quantization_config"].bnb_4bit_quant_storage == torch.bfloat16

@@ -3,9 +3,13 @@
 Two backends, one decision:
 
 - ``accelerate`` (CUDA, XPU): the Trainer's own FSDP, turned on through TrainingArguments
-  (``fsdp`` + ``fsdp_config`` with ``version: 2``, ``transformer_layer_cls_to_wrap`` = the block class the
+  (``fsdp`` + ``fsdp_config`` with ``version: 2``, ``transformer_layer_cls_to_wrap`` = every block class the
   block finder found, ``reshard_after_forward``, ``cpu_offload``, ``state_dict_type``...; HSDP through
-  ``parallelism_config``). accelerate shards when ``train()`` starts; verify runs again then.
+  ``parallelism_config``), plus what ``fsdp_config`` cannot carry, set on the plugin arguments (explicit
+  ``cpu_offload``, the FSDP1 ``sharding_strategy``, fp32-reduce mixed precision; ``settings.plugin_overrides``).
+  accelerate shards when ``train()`` starts; verify runs again then.
+- ``launch_config``: the preset asks for no FSDP but an ``accelerate launch`` FSDP config does; accelerate
+  shards anyway (on accelerators), so the decision says so and verify checks the live model.
 - ``hf_speedup`` (CPU, gloo): accelerate enables FSDP only on accelerators, so the stock Trainer would
   silently train with DDP. hf_speedup shards with FSDP2 ``fully_shard`` itself (``shard``) and keeps
   the Trainer from wrapping the sharded model (``trainer_hooks.FsdpTrainerMixin``).

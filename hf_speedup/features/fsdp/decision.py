@@ -16,7 +16,7 @@ from ...config import FsdpSettings, SpeedupConfig, SpeedupConfigError
 from ...dtypes import long_name
 from ...plan_types import OFF, Decision, PlanContext
 from .launcher import launched, launcher_differences, launcher_fsdp, local_world_size, ram_efficient_loading_set
-from .settings import HSDP_DIMS, NAME, Mesh, MixedPrecision, Settings, Wrap
+from .settings import HSDP_DIMS, LAUNCH_CONFIG, NAME, Mesh, MixedPrecision, Settings, Wrap
 
 logger = logging.getLogger("hf_speedup")
 
@@ -35,8 +35,9 @@ def decide(ctx: PlanContext) -> Decision:
     s, world = ctx.config.fsdp, ctx.caps.world_size
     user_fsdp = _user_fsdp(ctx.args)
     device = _device(ctx)
+    launcher = launcher_fsdp()
     if not s.enabled:
-        return _not_requested(user_fsdp, device, world)
+        return _not_requested(user_fsdp, device, world, launcher)
 
     requested = {"version": s.version, "strategy": s.strategy, "cpu_offload": s.cpu_offload,
                  "state_dict_type": s.state_dict_type}
@@ -48,7 +49,6 @@ def decide(ctx: PlanContext) -> Decision:
     except _Off as off:
         return _off(requested, off.reason, [off.fallback])
 
-    launcher = launcher_fsdp()
     strategy, launcher_groups, hsdp_fallbacks, hsdp_notes = _launcher_hsdp(s.strategy, world, launcher, backend)
     mesh, mesh_fallbacks = _mesh(strategy, world, launcher_groups or _node_groups(world),
                                  launcher_hsdp=launcher_groups is not None)
@@ -115,8 +115,10 @@ def _device(ctx: PlanContext) -> str:
     return "cpu" if (caps.device_type == "cpu" or getattr(ctx.args, "use_cpu", False)) else caps.device_type
 
 
-def _not_requested(user_fsdp: str | None, device: str, world: int) -> Decision:
-    """Off; but the stock Trainer's FSDP on CPU processes is a trap worth a warning (it trains with DDP)."""
+def _not_requested(user_fsdp: str | None, device: str, world: int, launcher: dict) -> Decision:
+    """Off; but the stock Trainer's FSDP on CPU processes is a trap worth a warning (it trains with DDP), and an
+    ``accelerate launch`` FSDP config shards the model on accelerators whatever the preset says (checked after
+    ``TrainingArguments.fsdp``, which sets ACCELERATE_USE_FSDP itself)."""
     if user_fsdp and device == "cpu" and world > 1:
         why = (f"off: TrainingArguments.fsdp={user_fsdp!r} does NOT shard on CPU — accelerate enables FSDP only on "
                "accelerators, so the Trainer trains with plain DDP (every rank holds the whole model); fix: use "
@@ -126,7 +128,45 @@ def _not_requested(user_fsdp: str | None, device: str, world: int) -> Decision:
     if user_fsdp:
         return _off(False, f"not requested by hf_speedup; TrainingArguments.fsdp={user_fsdp!r} is yours "
                            "(the Trainer/accelerate shards)")
+    if launcher.get("enabled"):
+        return _launch_config_only(launcher, device, world)
     return _off(False, "not requested (fsdp.enabled: false)")
+
+
+def _launch_config_only(launcher: dict, device: str, world: int) -> Decision:
+    """The preset does not ask for FSDP but the launch config does: accelerate builds its plugin from
+    ACCELERATE_USE_FSDP on accelerators (the Trainer then shards), so the decision says who shards, with the
+    launch file's settings, and ``verify`` checks the live model. On CPU accelerate enables no FSDP (DDP)."""
+    version = _int(launcher.get("version"), 1)  # accelerate's default when FSDP_VERSION is unset
+    if device not in ("cuda", "xpu"):
+        why = (f"off: the accelerate launch config enables FSDP{version}, but accelerate enables FSDP only on "
+               f"accelerators, so on {device} the Trainer trains with plain DDP (every rank holds the whole model); "
+               "fix: use speedup='fsdp' (hf_speedup shards with FSDP2 on CPU)")
+        logger.warning("hf_speedup fsdp: %s", why)
+        return _off(False, why, [why] if world > 1 else [])
+    if version == 2:
+        strategy = "shard_grad_op" if str(launcher.get("reshard_after_forward", "true")).lower() == "false" \
+            else "full_shard"
+    else:  # FSDP1: accelerate prefers FSDP_SHARDING_STRATEGY (the launcher exports FULL_SHARD by default)
+        strategy = str(launcher.get("sharding_strategy", "FULL_SHARD")).lower()
+    ac = bool(launcher.get("activation_checkpointing"))
+    settings = Settings(backend=LAUNCH_CONFIG, version=version, strategy=strategy,
+                        reshard_after_forward=strategy != "shard_grad_op",
+                        cpu_offload=bool(launcher.get("cpu_offload")),
+                        activation_checkpointing=ac, activation_checkpointing_by="fsdp" if ac else None)
+    why = (f"not requested by the preset (fsdp.enabled: false), but the accelerate launch config enables "
+           f"FSDP{version} (ACCELERATE_USE_FSDP): accelerate shards the model over {world} rank(s) with the launch "
+           "file's fsdp_config, not hf_speedup's FSDP settings (verified on the live model); fix: use an FSDP "
+           "preset (speedup='fsdp') or a launch config without distributed_type: FSDP")
+    logger.warning("hf_speedup fsdp: %s", why)
+    return Decision(NAME, requested=False, applied=f"fsdp{version} (launch config)", reason=why, settings=settings)
+
+
+def _int(value, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 def _lora_state(ctx: PlanContext) -> tuple[bool, str | None]:
@@ -276,15 +316,17 @@ def _activation_checkpointing(ck, backend: str) -> tuple[str | None, str]:
 
 
 def _wrap(ctx: PlanContext) -> tuple[Wrap, list[str]]:
-    """One FSDP unit per decoder block (the block finder's class), then embeddings, head and root."""
+    """One FSDP unit per block of every block class the block finder found (a vision-language model has two:
+    naming one would replace accelerate's default of all ``_no_split_modules``), then embeddings, head and root."""
     model = ctx.model
     block = model.block_class if model is not None else None
+    classes = tuple(getattr(model, "block_classes", ()) or ((block,) if block else ()))
     fallbacks = []
     if model is not None and not block:
         fallbacks.append("no repeated decoder block found: only the root is sharded (one unit, no overlap)")
-    units = f"each {block}" if block else "each decoder block" if model is None else "no block"
+    units = f"each {', '.join(classes)}" if classes else "each decoder block" if model is None else "no block"
     return Wrap(block_class=block, blocks=model.num_blocks if model is not None else 0,
-                units=units + " + embeddings + final norm/lm_head + root"), fallbacks
+                units=units + " + embeddings + final norm/lm_head + root", block_classes=classes), fallbacks
 
 
 # ------------------------------------------------------------------------------------------ reason

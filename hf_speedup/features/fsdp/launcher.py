@@ -40,7 +40,8 @@ def launcher_fsdp() -> dict:
     if _env_bool("ACCELERATE_USE_FSDP"):
         out["enabled"] = True
         for key, env in (("version", "FSDP_VERSION"), ("state_dict_type", "FSDP_STATE_DICT_TYPE"),
-                         ("reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD")):
+                         ("reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD"),
+                         ("sharding_strategy", "FSDP_SHARDING_STRATEGY")):
             if env in os.environ:
                 out[key] = os.environ[env]
         for key, env in (("cpu_offload", "FSDP_OFFLOAD_PARAMS"),

@@ -12,6 +12,10 @@ import torch
 
 NAME = "fsdp"
 
+# Settings.backend of a run the preset does not shard but an ``accelerate launch`` FSDP config does (accelerate
+# builds its plugin from ACCELERATE_USE_FSDP on accelerators): hf_speedup applies nothing, the report says so
+LAUNCH_CONFIG = "launch_config"
+
 HSDP_DIMS = ("dp_replicate", "dp_shard")  # a 2-D mesh: replicate across the first dimension, shard along the second
 
 # fsdp.state_dict_type -> accelerate's StateDictType name
@@ -29,6 +33,12 @@ class Wrap:
     block_class: str | None
     blocks: int
     units: str  # what becomes an FSDP unit, in words
+    # every block class (a vision-language model has a vision and a text block): all are wrapped, since naming
+    # only one replaces accelerate's default (every ``_no_split_modules`` class) and leaves the others unwrapped
+    block_classes: tuple[str, ...] = ()
+
+    def class_names(self) -> list[str]:
+        return list(self.block_classes) or ([self.block_class] if self.block_class else [])
 
 
 @dataclass(frozen=True)
@@ -39,7 +49,7 @@ class MixedPrecision:
 
 @dataclass(frozen=True)
 class Settings:
-    backend: str | None = None  # accelerate (GPUs, through TrainingArguments) | hf_speedup (CPU, fully_shard)
+    backend: str | None = None  # accelerate (GPUs, TrainingArguments) | hf_speedup (CPU, fully_shard) | LAUNCH_CONFIG
     version: int = 2
     strategy: str = "full_shard"
     reshard_after_forward: bool = True
@@ -68,14 +78,35 @@ def fsdp_config(settings: Settings) -> dict:
         "cpu_ram_efficient_loading": settings.cpu_ram_efficient_loading,
         "activation_checkpointing": settings.activation_checkpointing,
     }
-    if settings.wrap is not None and settings.wrap.block_class:
-        cfg["transformer_layer_cls_to_wrap"] = [settings.wrap.block_class]
+    if settings.wrap is not None and settings.wrap.class_names():
+        cfg["transformer_layer_cls_to_wrap"] = settings.wrap.class_names()
     if settings.version == 1:
         cfg["use_orig_params"] = True  # LoRA (mixed requires_grad) and torch.compile need the original params
         cfg["sync_module_states"] = settings.cpu_ram_efficient_loading
         cfg["backward_prefetch"] = "BACKWARD_PRE"
         cfg["forward_prefetch"] = False
     return cfg
+
+
+def plugin_overrides(settings: Settings) -> dict:
+    """accelerate plugin kwargs that ``TrainingArguments.fsdp_config`` cannot carry; set on ``fsdp_plugin_args``.
+
+    - ``cpu_offload``, always: transformers forwards it only when true, and accelerate then falls back to
+      ``FSDP_OFFLOAD_PARAMS`` from an ``accelerate launch`` YAML, which would override the preset's ``false``.
+    - FSDP1 ``sharding_strategy``: transformers sends the strategy as ``reshard_after_forward`` only, while
+      accelerate fills ``sharding_strategy`` from ``FSDP_SHARDING_STRATEGY`` (default FULL_SHARD) and prefers it,
+      so ``no_shard`` would run as FULL_SHARD.
+    - mixed precision with float32 gradient reduction, for either version (accelerate's default reduces in
+      the compute dtype).
+    """
+    out: dict = {"cpu_offload": settings.cpu_offload}
+    if settings.version == 1:
+        out["sharding_strategy"] = settings.strategy.upper()
+    mp = settings.mixed_precision
+    if mp is not None:
+        last = {"output_dtype": mp.param_dtype} if settings.version == 2 else {"buffer_dtype": mp.param_dtype}
+        out["mixed_precision_policy"] = {"param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype, **last}
+    return out
 
 
 # fsdp_config key -> its name in an accelerate launch config file (after the fsdp_ prefix), where they differ
@@ -85,8 +116,11 @@ _LAUNCH_FILE_NAMES = {"cpu_offload": "offload_params"}
 def launch_file_fsdp_config(settings: Settings) -> dict:
     """:func:`fsdp_config` in the spelling of an ``accelerate launch --config_file`` YAML's ``fsdp_config``."""
     out = {}
-    for key, value in fsdp_config(settings).items():
-        if key == "reshard_after_forward" and isinstance(value, str):
+    cfg = fsdp_config(settings)
+    if settings.version == 1:  # the launcher exports FSDP_SHARDING_STRATEGY (default FULL_SHARD), which FSDP1 prefers
+        cfg = {**cfg, "sharding_strategy": settings.strategy}
+    for key, value in cfg.items():
+        if key in ("reshard_after_forward", "sharding_strategy") and isinstance(value, str):
             value = value.upper()  # the FSDP1 ShardingStrategy member, as accelerate's questionnaire writes it
         elif key == "transformer_layer_cls_to_wrap":
             value = ",".join(value)  # the launcher passes it on as one comma-separated string

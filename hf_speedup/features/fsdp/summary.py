@@ -68,6 +68,8 @@ def _fsdp1_summary(model: nn.Module) -> dict | None:
     if not mods:
         return None
     local = total = 0
+    strategies = sorted({getattr(getattr(m, "sharding_strategy", None), "name", "?") for m in mods})
+    offload = any(getattr(getattr(m, "cpu_offload", None), "offload_params", False) for m in mods)
     for m in mods:
         handle = getattr(m, "_handle", None)
         fp = getattr(handle, "flat_param", None)
@@ -79,6 +81,7 @@ def _fsdp1_summary(model: nn.Module) -> dict | None:
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     return {"fsdp_version": 1, "units": len(mods), "world_size": world, "total_bytes": total,
+            "sharding_strategies": strategies, "offload_params": offload,
             "this_rank_bytes": local, "rank_bytes": {dist.get_rank() if dist.is_initialized() else 0: local}}
 
 

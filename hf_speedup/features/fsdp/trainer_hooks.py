@@ -21,7 +21,7 @@ from .checkpoint import (
     save_sharded_model,
     save_sharded_optimizer,
 )
-from .settings import NAME
+from .settings import LAUNCH_CONFIG, NAME, plugin_overrides
 from .shard import ShardSpec, shard_model
 
 logger = logging.getLogger("hf_speedup")
@@ -36,7 +36,8 @@ class FsdpTrainerMixin:
     only (as transformers does for a model sharded at load time) and mark the model prepared so that
     neither ``.to()`` nor DDP touches it; save/load checkpoints with torch.distributed.checkpoint.
 
-    ``backend == "accelerate"`` (CUDA): FSDP2 mixed precision reduces gradients in fp32, and a final
+    ``backend == "accelerate"`` (CUDA): the plugin gets what ``fsdp_config`` cannot carry (FSDP1 strategy,
+    explicit CPU offload, mixed precision reducing gradients in fp32), and a final
     ``save_model()`` under a sharded state-dict type still writes a full, loadable model.
     """
 
@@ -53,15 +54,52 @@ class FsdpTrainerMixin:
         if backend == "accelerate":
             self._speedup_fsdp_plugin_args(decision)
         super().create_accelerator_and_postprocess()
+        self._speedup_accelerate_dynamo_off()
         if backend == "hf_speedup":
             self._speedup_fsdp_shard(decision)
 
+    def _speedup_accelerate_dynamo_off(self) -> None:
+        """Keep accelerate from compiling what hf_speedup compiled: with its compile decision active the blocks
+        are already compiled in place (guarded regions); accelerate's ``prepare`` would compile again from the
+        launch YAML's ``dynamo_config`` (regional: every block, replacing the guarded regions; FSDP or not).
+        Turned off, logged and added to the compile feature's reason."""
+        plan = getattr(self, "speedup_plan", None)
+        compile_decision = plan.decisions.get("compile") if plan is not None else None
+        if compile_decision is None or not compile_decision.active:
+            return
+        dynamo = getattr(getattr(getattr(self, "accelerator", None), "state", None), "dynamo_plugin", None)
+        backend = getattr(dynamo, "backend", None)
+        name = str(getattr(backend, "value", backend)).upper()
+        if backend is None or name == "NO":
+            return
+        from accelerate.utils import DynamoBackend
+
+        dynamo.backend = DynamoBackend.NO
+        how = "regional" if getattr(dynamo, "use_regional_compilation", False) else "whole model"
+        note = (f"accelerate's dynamo_config ({name}, {how}) turned off: hf_speedup already compiled the blocks, and "
+                "accelerate's prepare would compile them again over hf_speedup's guarded regions")
+        logger.warning("hf_speedup compile: %s", note)
+        outcome = (getattr(self, "speedup_outcomes", None) or {}).get("compile")
+        if outcome is not None:
+            outcome.notes.append(note)
+
     def _speedup_fsdp_plugin_args(self, decision) -> None:
-        mp = decision.settings.mixed_precision
+        """What ``fsdp_config`` cannot carry (``settings.plugin_overrides``): the FSDP1 sharding strategy and an
+        explicit ``cpu_offload`` replace anything accelerate would read from the launch environment; a mixed
+        precision policy the caller put there is kept."""
         plugin_args = getattr(self.args, "fsdp_plugin_args", None)
-        if mp is not None and isinstance(plugin_args, dict) and plugin_args.get("fsdp_version") == 2:
-            plugin_args.setdefault("mixed_precision_policy", {
-                "param_dtype": mp.param_dtype, "reduce_dtype": mp.reduce_dtype, "output_dtype": mp.param_dtype})
+        if not isinstance(plugin_args, dict):
+            return
+        if plugin_args.get("fsdp_version") != decision.settings.version:
+            logger.warning("hf_speedup fsdp: TrainingArguments ask for FSDP%s, the plan for FSDP%s; the plan's "
+                           "strategy, offload and mixed precision are not added to accelerate's plugin",
+                           plugin_args.get("fsdp_version"), decision.settings.version)
+            return
+        for key, value in plugin_overrides(decision.settings).items():
+            if key == "mixed_precision_policy":
+                plugin_args.setdefault(key, value)
+            else:
+                plugin_args[key] = value
 
     def _speedup_fsdp_shard(self, decision) -> None:
         if self.model is None:
@@ -124,7 +162,7 @@ class FsdpTrainerMixin:
             if self.args.push_to_hub and not _internal_call:
                 self.push_to_hub(commit_message="Model save", revision=getattr(self.args, "hub_revision", None))
             return
-        if (backend == "accelerate" and not _internal_call and getattr(self, "is_fsdp_enabled", False)
+        if (backend in ("accelerate", LAUNCH_CONFIG) and not _internal_call and getattr(self, "is_fsdp_enabled", False)
                 and "FULL_STATE_DICT" not in str(self.accelerator.state.fsdp_plugin.state_dict_type)):
             # The stock Trainer writes no weights here under SHARDED_STATE_DICT; gather them instead.
             self._save(output_dir, state_dict=self.accelerator.get_state_dict(self.model))
