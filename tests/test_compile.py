@@ -281,6 +281,22 @@ class TestFallback:
 
 # --------------------------------------------------------------------------------------------- recompiles
 class TestRecompiles:
+    def test_blocks_that_hit_the_recompile_limit_or_never_ran_compiled_are_not_engaged(self, tiny_model, tokenizer):
+        from types import SimpleNamespace
+
+        decision, outcome = compiled(tiny_model, dynamic=False)
+        trainer = SimpleNamespace(model=tiny_model, state=SimpleNamespace(global_step=0), is_in_train=True)
+        assert rc.verify(decision, trainer, outcome)[0]  # train begin: nothing has run yet
+        trainer.state.global_step = 3  # three steps, and no block forward went through its compiled region
+        engaged, why = rc.verify(decision, trainer, outcome)
+        assert not engaged and "no block forward of 3 training step(s) ran compiled code" in why
+        tiny_model(**batch(tokenizer, [8, 8]))
+        assert rc.verify(decision, trainer, outcome)[0]
+        rc.guarded_regions(tiny_model)[0].compiles = rc._recompile_limit()  # every new shape now runs eager
+        engaged, why = rc.verify(decision, trainer, outcome)
+        assert not engaged and "hit torch._dynamo recompile_limit" in why
+        assert "fix: set compile.dynamic: null (or true)" in why  # static shapes: padding alone cannot fix it
+
     def test_static_shapes_recompile_per_length_and_are_counted(self, tiny_model, tokenizer):
         compiled(tiny_model, dynamic=False)
         for n in (8, 12, 16):

@@ -32,6 +32,7 @@ from .. import compat
 from ..blocks import find_blocks, find_final_norm, unwrap_model
 from ..hardware import cpu_name
 from ..plan_types import OFF, Decision, Outcome, PlanContext
+from .probe import steps_trained
 
 NAME = "compile"
 APPLIES_TO = "model"
@@ -166,12 +167,14 @@ class GuardedRegion:
         self.compile_kwargs = dict(compile_kwargs)
         self.compiled = torch.compile(target or eager, **compile_kwargs)
         self.fallback_reason: str | None = None
+        self.calls = 0  # forwards that went through the compiled callable (a cached graph compiles nothing new)
         self.compiles = 0
         self.compile_seconds = 0.0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.fallback_reason is not None or _decoding(kwargs):
             return self.eager(*args, **kwargs)
+        self.calls += 1
         before = _graphs_so_far()
         start = time.perf_counter()
         try:
@@ -548,8 +551,16 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         per_kind[r.kind] = per_kind.get(r.kind, 0) + r.compiles
     hot = sorted(k for k, n in per_kind.items() if limit and n >= limit)
     if hot:
-        text += f"; {', '.join(hot)} hit torch._dynamo recompile_limit={limit} (new shapes run eager): pad to a multiple"
-    return bool(ok) and len(ok) == s.num_blocks and not fallen, text
+        fix = ("set compile.dynamic: null (or true), so that new lengths share a graph" if s.dynamic is False else
+               "pad batches to a multiple (data.pad_to_multiple_of) or set compile.dynamic: true")
+        text += (f"; NOT ENGAGED for new shapes: {', '.join(hot)} hit torch._dynamo recompile_limit={limit}, every "
+                 f"new shape after that runs eager; fix: {fix}")
+    steps = steps_trained(trainer, outcome)
+    idle = steps > 0 and not any(r.calls for r in blocks)
+    if idle:
+        text += (f"; but no block forward of {steps} training step(s) ran compiled code (the blocks are called "
+                 "another way, e.g. inside a torch.compile of the whole model, which traces through them)")
+    return bool(ok) and len(ok) == s.num_blocks and not fallen and not hot and not idle, text
 
 
 def _recompile_limit() -> int | None:

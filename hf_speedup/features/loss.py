@@ -34,7 +34,7 @@ import torch
 from ..blocks import unwrap_model
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 from .chunked_cross_entropy import IGNORE_INDEX, install, installed_state, uninstall, unsupported_reason
-from .probe import eager_train_mode
+from .probe import eager_train_mode, steps_trained
 
 NAME = "loss"
 APPLIES_TO = "model"
@@ -121,10 +121,6 @@ def _not_applied(outcome: Outcome, why: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- verify
-def trainer_in_train(trainer) -> bool:
-    return bool(getattr(trainer, "is_in_train", False))
-
-
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if not decision.settings.chunked:
         return False, decision.reason
@@ -134,12 +130,9 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return False, "not installed: " + ("; ".join(outcome.fallbacks) or "the model has the stock loss")
     what = f"chunked loss, {state.chunk_tokens} tokens per chunk"
     ran = state.chunked_calls
-    step = getattr(getattr(trainer, "state", None), "global_step", 0) or 0
-    # steps count from the first check inside train(): a resumed run starts there at the checkpoint's step
-    first = outcome.facts.setdefault("first_step_in_train", step) if trainer_in_train(trainer) else \
-        outcome.facts.get("first_step_in_train", step)
-    if step > first and not ran:
-        return False, (f"{what} installed, but none of {step - first} training steps took it: the trainer computes "
+    steps = steps_trained(trainer, outcome)
+    if steps > 0 and not ran:
+        return False, (f"{what} installed, but none of {steps} training steps took it: the trainer computes "
                        "its loss another way (e.g. TRL's fused lm_head, or labels passed positionally)")
     used = f"; {ran} training forward(s) took it" if ran else ""
     ok, why = _can_probe(trainer)

@@ -21,3 +21,12 @@ def eager_train_mode(model):
     finally:
         for m, was in modes:
             m.training = was
+
+
+def steps_trained(trainer, outcome) -> int:
+    """Training steps since the first check inside ``train()`` (a resumed run enters it at the checkpoint's step,
+    with no step of its own yet): what a verification that counts forwards may expect to have run."""
+    step = getattr(getattr(trainer, "state", None), "global_step", 0) or 0
+    if getattr(trainer, "is_in_train", False):
+        return step - outcome.facts.setdefault("first_step_in_train", step)
+    return step - outcome.facts.get("first_step_in_train", step)
