@@ -134,6 +134,17 @@ def test_liger_on_cuda_goes_through_transformers_switch(tiny_model, make_args, m
     assert "liger-kernel is not installed" in plan(CUDA_H100, tiny_model, "fast")["liger"].reason
 
 
+def test_liger_under_trls_sft_trainer_is_its_layer_kernels_only(tiny_model, monkeypatch):
+    """TRL 1.16's SFTTrainer turns Liger's fused linear cross-entropy off (its own fused LM head computes the
+    loss): the plan must not claim it."""
+    trl = pytest.importorskip("trl")
+    monkeypatch.setattr(liger, "installed", lambda: True)
+    monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
+    args = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to=[])
+    d = plan(CUDA_H100, tiny_model, "fast", args)["liger"]
+    assert d.applied == "rms_norm,rope,swiglu" and "TRL's SFTTrainer turns Liger's fused linear" in d.reason
+
+
 def test_liger_verification_reads_the_live_model(tiny_model, monkeypatch):
     from types import SimpleNamespace
 

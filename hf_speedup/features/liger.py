@@ -66,10 +66,22 @@ def decide(ctx: PlanContext) -> Decision:
         reason = "TrainingArguments.use_liger_kernel=True already; "
     else:
         reason = ""
-    reason += ("Liger RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (the full logits are never stored) via "
-               "TrainingArguments.use_liger_kernel; transformers patches the model when train() starts")
-    return Decision(NAME, requested=asked, applied="rms_norm,rope,swiglu,fused_linear_cross_entropy", reason=reason,
+    if _trl_sft_config(ctx.args):
+        reason += ("Liger RMSNorm, RoPE and SwiGLU via SFTConfig.use_liger_kernel; TRL's SFTTrainer turns Liger's "
+                   "fused linear cross-entropy off, its own fused LM head computes the loss without the full "
+                   "logits (TRL 1.16 marks use_liger_kernel deprecated, for Hub kernels)")
+        applied = "rms_norm,rope,swiglu"
+    else:
+        reason += ("Liger RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (the full logits are never stored) via "
+                   "TrainingArguments.use_liger_kernel; transformers patches the model when train() starts")
+        applied = "rms_norm,rope,swiglu,fused_linear_cross_entropy"
+    return Decision(NAME, requested=asked, applied=applied, reason=reason,
                     settings=Settings(enabled=True, model_type=model_type))
+
+
+def _trl_sft_config(args) -> bool:
+    """TRL's SFTConfig (or a subclass): its trainer applies Liger's layer kernels only."""
+    return any(c.__name__ == "SFTConfig" and c.__module__.startswith("trl") for c in type(args).__mro__)
 
 
 def training_args(decision: Decision, args) -> dict:

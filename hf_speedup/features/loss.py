@@ -62,9 +62,11 @@ def decide(ctx: PlanContext) -> Decision:
                                "loss.chunked: true to force it")
     liger = ctx.decisions.get("liger")
     if liger is not None and liger.active:
+        who = ("Liger's fused linear cross-entropy (liger feature)" if "fused_linear_cross_entropy" in liger.applied
+               else "TRL's fused LM head (Liger's layer kernels on, its loss off under TRL)")
         return Decision(NAME, requested, OFF, settings=Settings(),
-                        reason="Liger's fused linear cross-entropy (liger feature) already computes the loss without "
-                               "the full logits: the chunked loss stays out (one of the two)")
+                        reason=f"{who} already computes the loss without the full logits: the chunked loss stays out "
+                               "(one of the two)")
     blocker = _blocker(ctx)
     if blocker:
         logger.warning("hf_speedup loss fallback: %s", blocker)
