@@ -36,6 +36,7 @@ class ModelInfo:
     packed_reason: str = ""
     sliding_window: int | None = None  # attention limited to the last N tokens in some or all layers
     shape: ModelShape | None = None  # the sizes memory estimates need (memory_model)
+    compiled_whole: bool = False  # the caller already compiled the whole model (torch.compile(model), model.compile())
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -177,6 +178,15 @@ def _bidirectional(cfg) -> bool:
     return getattr(cfg, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(cfg, "is_decoder", False)
 
 
+def _compiled_whole(model: nn.Module) -> bool:
+    """``torch.compile(model)`` (an OptimizedModule around ``_orig_mod``) or ``model.compile()`` (the root's
+    ``_compiled_call_impl``), under peft/DDP wrappers too."""
+    for m in (model, unwrap_model(model)):
+        if hasattr(m, "_orig_mod") or getattr(m, "_compiled_call_impl", None) is not None:
+            return True
+    return False
+
+
 def describe_model(model: nn.Module) -> ModelInfo:
     cfg = getattr(model, "config", None)
     text_cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
@@ -206,6 +216,7 @@ def describe_model(model: nn.Module) -> ModelInfo:
         embedding_parameters=emb,
         dtype=dtype,
         is_peft=hasattr(model, "peft_config"),
+        compiled_whole=_compiled_whole(model),
         quantization=quantization_of(model),
         linear_names=tuple(linear_names),
         **attention_facts(model),

@@ -126,6 +126,16 @@ class TestDecide:
         assert "TrainingArguments.torch_compile=True" in d.reason and "compiled twice" in d.reason
         assert rc.training_args(d, args) == {}
 
+    def test_a_model_the_caller_compiled_whole_is_left_alone(self, tiny_model):
+        """torch.compile(model) or model.compile(): regional compile inside it would be traced through and
+        its guards lost; the caller's compile is kept and the entry says so."""
+        outer = torch.compile(tiny_model, backend="eager")
+        d = build_plan(compile_cfg(), fake_caps(**CPU_NO_BF16), outer)["compile"]
+        assert d.applied == "off" and "already compiled whole" in d.reason
+        assert build_plan(compile_cfg(), fake_caps(**CPU_NO_BF16), tiny_model)["compile"].active
+        tiny_model.compile(backend="eager")
+        assert build_plan(compile_cfg(), fake_caps(**CPU_NO_BF16), tiny_model)["compile"].applied == "off"
+
     def test_dynamic_shapes_on_cuda_keep_max_autotune_but_not_its_cuda_graphs(self):
         """CUDA graphs with a dynamic sequence dimension are re-recorded for every new length (a growing pool)."""
         d = build_plan(compile_cfg(backend="inductor", mode="max-autotune", dynamic=True), fake_caps(**CUDA_H100),

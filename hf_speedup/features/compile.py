@@ -74,6 +74,9 @@ def decide(ctx: PlanContext) -> Decision:
     if ctx.args is not None and getattr(ctx.args, "torch_compile", False):
         return _off(requested, "TrainingArguments.torch_compile=True: the stock Trainer compiles the whole model; "
                     "left alone, regional compile skipped so nothing is compiled twice", settings)
+    if getattr(info, "compiled_whole", False):
+        return _off(requested, "the model passed in is already compiled whole (torch.compile(model) or "
+                    "model.compile()): left alone, regional compile skipped so nothing is compiled twice", settings)
     if not caps.compile:
         why = f"torch.compile is not usable here: {caps.compile_reason or 'no compiler toolchain'}"
         return _off(requested, why, settings, [f"compile: {why}"] if explicit else [])
