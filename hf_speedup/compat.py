@@ -28,6 +28,11 @@ def checkpointing_arg_names(args_cls=None) -> tuple[str, str]:
     return "gradient_checkpointing", "gradient_checkpointing_kwargs"
 
 
+def is_trl_sft_config(args) -> bool:
+    """TRL's ``SFTConfig`` (or a subclass), read off the class names so that planning never imports TRL."""
+    return any(c.__name__ == "SFTConfig" and c.__module__.startswith("trl") for c in type(args).__mro__)
+
+
 def replace_args(args, overrides: dict):
     """A copy of TrainingArguments with ``overrides``; the user's object is never mutated."""
     if not overrides:

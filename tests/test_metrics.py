@@ -27,20 +27,20 @@ def test_count_tokens_excludes_padding_by_attention_mask():
         "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]]),
         "labels": torch.tensor([[5, 6, 7, -100], [5, 6, -100, -100], [-100, -100, -100, -100]]),
     }
-    assert int(M.count_tokens(batch)) == 6  # the mask wins over labels (3 + 2 + 1, padding not counted)
-    assert M.count_samples(batch) == 3
+    tokens, samples = M.batch_counts(batch).tolist()[:2]
+    assert tokens == 6 and samples == 3  # the mask wins over labels (3 + 2 + 1, padding not counted)
 
 
 def test_count_tokens_without_mask_uses_labels_then_ids():
     no_mask = {"input_ids": torch.ones(2, 5, dtype=torch.long),
                "labels": torch.tensor([[-100, 1, 2, 3, -100], [-100, -100, 4, 5, 6]])}
-    assert int(M.count_tokens(no_mask)) == 6
+    assert int(M.batch_counts(no_mask)[0]) == 6
     packed = {"input_ids": torch.ones(1, 7, dtype=torch.long)}
-    assert int(M.count_tokens(packed)) == 7
+    assert int(M.batch_counts(packed)[0]) == 7
     # a 4-D (custom) mask is not a padding mask: fall back to the labels
     four_d = {"input_ids": torch.ones(1, 3, dtype=torch.long), "attention_mask": torch.ones(1, 1, 3, 3),
               "labels": torch.tensor([[-100, 1, 2]])}
-    assert int(M.count_tokens(four_d)) == 2
+    assert int(M.batch_counts(four_d)[0]) == 2
 
 
 def test_token_counter_accumulates_micro_batches_on_the_batch_device():

@@ -207,10 +207,11 @@ def _decoding(kwargs: dict) -> bool:
     """A no-grad forward with a KV cache (``generate()``, TRL's online trainers between steps): eager. Each
     block's cache slot is a different guard, so compiling it would spend dynamo's recompile limit, which the
     blocks share (one ``forward`` code object), and leave the training steps after it running eager."""
+    if kwargs.get("past_key_values", kwargs.get("past_key_value")) is None:
+        return False
     import torch
 
-    cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
-    return cache is not None and not torch.is_grad_enabled()
+    return not torch.is_grad_enabled()
 
 
 def _graphs_so_far() -> int:

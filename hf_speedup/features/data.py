@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from .. import compat
 from ..plan_types import Decision, Outcome, PlanContext
 from . import padding_free as pf
 
@@ -189,9 +190,8 @@ def _args_have(args, name: str) -> bool:
 def honours_padding_free(args) -> bool:
     """Whether the trainer these arguments are for flattens batches when asked (``padding_free=True``): TRL's
     ``SFTConfig`` (and subclasses). ``DPOConfig`` has the field too, but TRL's DPOTrainer switches it off
-    with a warning, so asking there would flatten nothing while the plan counted on it. Read off the class
-    names, so that planning never imports TRL."""
-    return any(c.__name__ == "SFTConfig" and c.__module__.startswith("trl") for c in type(args).__mro__)
+    with a warning, so asking there would flatten nothing while the plan counted on it."""
+    return compat.is_trl_sft_config(args)
 
 
 def args_flatten(args, via: str | None, packing: bool | None) -> str | None:
@@ -469,13 +469,13 @@ def _verify_padding_free(st: Settings, trainer) -> tuple[bool, str]:
     return good and guarded, text
 
 
-def _verify_args_guard(trainer, outcome: Outcome) -> str:
+def _verify_args_guard(trainer, outcome: Outcome) -> tuple[bool, str]:
     """The guard installed for rows the trainer's arguments flatten, checked on the live model ("" if none)."""
     why = outcome.facts.get("rows_flattened_by")
     if why is None:
-        return ""
+        return True, ""
     guarded = pf.use_cache_guarded(trainer.model)
-    return f"use_cache guard for the rows {why} flattens: {'yes' if guarded else 'MISSING'}"
+    return guarded, f"use_cache guard for the rows {why} flattens: {'yes' if guarded else 'MISSING'}"
 
 
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
@@ -494,7 +494,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         ok = ok and good
         parts.append(f"{type(trainer.data_collator).__name__}.pad_to_multiple_of={have}"
                      + ("" if good else f" - MISMATCH: planned a multiple of {multiple}"))
-    guard_text = _verify_args_guard(trainer, outcome)
+    guarded, guard_text = _verify_args_guard(trainer, outcome)
     withdrawn = set(outcome.facts.get("withdrawn_args", ()))
     for key, field_name in ARG_FIELDS.items():
         if key not in st.loader or field_name in withdrawn:
@@ -506,7 +506,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         parts.append(f"args.{field_name}={have}" + ("" if have == want else f" - MISMATCH: planned {want}"))
     fallbacks = list(decision.fallbacks) + outcome.fallbacks
     if guard_text:  # a safeguard, not a speed-up: it does not make the feature engaged on its own
-        ok = ok and "MISSING" not in guard_text
+        ok = ok and guarded
         parts.append(guard_text)
     if not applied:
         return False, "; ".join(["nothing applied"] + parts + fallbacks)

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from ..blocks import unwrap_model
+from ..compat import is_trl_sft_config
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "liger"
@@ -66,7 +67,7 @@ def decide(ctx: PlanContext) -> Decision:
         reason = "TrainingArguments.use_liger_kernel=True already; "
     else:
         reason = ""
-    if _trl_sft_config(ctx.args):
+    if is_trl_sft_config(ctx.args):  # its trainer applies Liger's layer kernels only
         reason += ("Liger RMSNorm, RoPE and SwiGLU via SFTConfig.use_liger_kernel; TRL's SFTTrainer turns Liger's "
                    "fused linear cross-entropy off, its own fused LM head computes the loss without the full "
                    "logits (TRL 1.16 marks use_liger_kernel deprecated, for Hub kernels)")
@@ -77,11 +78,6 @@ def decide(ctx: PlanContext) -> Decision:
         applied = "rms_norm,rope,swiglu,fused_linear_cross_entropy"
     return Decision(NAME, requested=asked, applied=applied, reason=reason,
                     settings=Settings(enabled=True, model_type=model_type))
-
-
-def _trl_sft_config(args) -> bool:
-    """TRL's SFTConfig (or a subclass): its trainer applies Liger's layer kernels only."""
-    return any(c.__name__ == "SFTConfig" and c.__module__.startswith("trl") for c in type(args).__mro__)
 
 
 def training_args(decision: Decision, args) -> dict:

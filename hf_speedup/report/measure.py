@@ -95,16 +95,6 @@ def batch_counts(batch: dict) -> Any:
     return torch.cat([tokens.reshape(1).to(torch.int64), sizes])
 
 
-def count_tokens(batch: dict) -> Any:
-    """Non-padding tokens in one (micro-)batch, as a 0-d tensor on the batch's device (no sync)."""
-    return batch_counts(batch)[0]
-
-
-def count_samples(batch: dict) -> int:
-    """Sequences in one (micro-)batch: rows, or each sequence of a padding-free row (reads the device)."""
-    return int(batch_counts(batch)[1])
-
-
 class TokenCounter:
     """Running ``COUNTS`` of this rank.
 
