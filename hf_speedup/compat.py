@@ -14,6 +14,14 @@ import torch
 # --------------------------------------------------------------------------- transformers / accelerate
 
 
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")  # transformers >= 5.24 names the KV cache ``cache``
+
+
+def kv_cache_arg(kwargs: dict):
+    """The KV cache a model or decoder-layer call was given, under whichever name this transformers uses."""
+    return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+
+
 def args_fields(args_cls=None) -> set[str]:
     if args_cls is None:
         from transformers import TrainingArguments as args_cls

@@ -284,6 +284,15 @@ def test_use_cache_trap_is_closed_on_every_path_the_trainer_drives(tiny_model, m
                for i, (s, n) in enumerate(zip(per_sequence(trapped, LENGTHS), LENGTHS))) > 0.05
 
 
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])  # transformers >= 5.24 says cache
+def test_use_cache_guard_leaves_a_call_that_brings_its_own_cache_alone(name):
+    from hf_speedup.features.padding_free import _no_cache_for_packed_rows
+
+    packed = {"position_ids": torch.tensor([[0, 1, 2, 0, 1]]), "attention_mask": None}
+    assert _no_cache_for_packed_rows(None, (), dict(packed))[1]["use_cache"] is False
+    assert _no_cache_for_packed_rows(None, (), {**packed, name: object()}) is None  # decoding with a cache
+
+
 def test_token_counts_are_exact(tiny_model, make_args, collator):
     from datasets import Dataset
 
@@ -312,8 +321,9 @@ def test_recompiles_stay_bounded_over_200_ragged_steps(make_args, collator):
     ds = ragged(400)
     runs = {}
     for name, cfg, steps in (
-        ("padding_free", get_preset("fast").replace(compile={"backend": "eager"}), 200),
-        ("padded_static", get_preset("fast").replace(compile={"backend": "eager"}, data={"padding_free": False}), 30),
+        ("padding_free", get_preset("fast").replace(compile={"backend": "eager", "when": "always"}), 200),
+        ("padded_static", get_preset("fast").replace(compile={"backend": "eager", "when": "always"},
+                                                     data={"padding_free": False}), 30),
     ):
         torch._dynamo.reset()
         model = tiny_llama(seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -207,7 +207,7 @@ def _decoding(kwargs: dict) -> bool:
     """A no-grad forward with a KV cache (``generate()``, TRL's online trainers between steps): eager. Each
     block's cache slot is a different guard, so compiling it would spend dynamo's recompile limit, which the
     blocks share (one ``forward`` code object), and leave the training steps after it running eager."""
-    if kwargs.get("past_key_values", kwargs.get("past_key_value")) is None:
+    if compat.kv_cache_arg(kwargs) is None:
         return False
     import torch
 

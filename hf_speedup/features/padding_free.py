@@ -21,6 +21,8 @@ from typing import Any
 
 from transformers import DataCollatorWithFlattening
 
+from .. import compat
+
 IGNORE_INDEX = -100
 GUARD_ATTR = "_hf_speedup_packed_rows_guard"
 
@@ -193,7 +195,7 @@ def _decoder(model):
 def _no_cache_for_packed_rows(module, args, kwargs):
     """Forward pre-hook: a call that transformers would treat as packed rows never builds a cache."""
     if (kwargs.get("use_cache") is not False and kwargs.get("position_ids") is not None
-            and kwargs.get("attention_mask") is None and kwargs.get("past_key_values") is None and len(args) <= 1):
+            and kwargs.get("attention_mask") is None and compat.kv_cache_arg(kwargs) is None and len(args) <= 1):
         kwargs["use_cache"] = False
         return args, kwargs
     return None
