@@ -14,9 +14,11 @@ building the trainer to the end of ``train()``.
 
 Variants:
   stock         transformers.Trainer, DataCollatorForLanguageModeling (pads each batch to its longest row)
-  fast          SpeedupTrainer(speedup="fast"), given the same padding collator
+  fast          SpeedupTrainer(speedup="fast"), given the same padding collator (compile.when: pays_back on CPU:
+                the blocks compile only if the run is long enough to earn the cold compile back)
+  fast-always   fast with compile.when: always (compiled from the first step, whatever the run length)
   fast-eager    fast without compile (padding-free rows + sdpa_varlen only)
-  fast-sdpa     fast with attention sdpa (the block-diagonal mask) instead of sdpa_varlen
+  fast-sdpa     fast with attention sdpa (the block-diagonal mask) instead of sdpa_varlen, compiled from the start
   fast-buckets  fast with static shapes: rows padded to the next power of two (a padding "sequence"), dynamic=False
   trl           trl.SFTTrainer(SFTConfig(padding_free=True, max_length=None, gradient_checkpointing=False))
   trl-ckpt      the same with TRL's default gradient_checkpointing=True
@@ -36,7 +38,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-VARIANTS = ("stock", "fast", "fast-eager", "fast-sdpa", "fast-buckets", "trl", "trl-ckpt")
+VARIANTS = ("stock", "fast", "fast-always", "fast-eager", "fast-sdpa", "fast-buckets", "trl", "trl-ckpt")
 
 
 def rows(n: int, seed: int = 0, lo: int = 16, hi: int = 512, vocab: int = 512) -> list[list[int]]:
@@ -109,11 +111,13 @@ def run_one(variant: str, steps: int, batch: int, seed: int) -> dict:
         config, collator = get_preset("fast"), causal_lm_collator(tok)
         if variant == "fast-eager":
             config = config.replace(compile={"enabled": False})
+        elif variant == "fast-always":
+            config = config.replace(compile={"when": "always"})
         elif variant == "fast-sdpa":
-            config = config.replace(attention={"implementation": "sdpa"})
+            config = config.replace(attention={"implementation": "sdpa"}, compile={"when": "always"})
         elif variant == "fast-buckets":
             config = config.replace(data={"padding_free": False}, attention={"implementation": "sdpa_varlen"},
-                                    compile={"dynamic": False})
+                                    compile={"dynamic": False, "when": "always"})
             collator = PowerOfTwoRows(PaddingFreeCollator("input_ids", pad_token_id=tok.pad_token_id), tok.pad_token_id)
         trainer = SpeedupTrainer(model=model, args=TrainingArguments(**kw), train_dataset=dataset,
                                  data_collator=collator, speedup=config)
@@ -128,7 +132,8 @@ def run_one(variant: str, steps: int, batch: int, seed: int) -> dict:
         out.update({k: d["metrics"].get(k) for k in ("tokens_per_second", "whole_run_tokens_per_second",
                                                      "compile_seconds", "recompile_seconds", "recompiles")},
                    tokens_per_second=tokens / seconds, steady_tokens_per_second=d["metrics"]["tokens_per_second"],
-                   applied={f: d["plan"][f]["applied"] for f in ("data", "attention", "compile")})
+                   applied={f: d["plan"][f]["applied"] for f in ("data", "attention", "compile")},
+                   compiled=bool(d["plan"]["compile"]["engaged"]))
     return out
 
 
@@ -164,8 +169,9 @@ def main(argv=None) -> int:
             r = json.loads(line[-1][7:])
             results[v].append(r)
             print(f"rep {rep + 1} {v:13s} {r['tokens_per_second']:8.0f} tok/s whole run ({r['seconds']:.1f} s)"
-                  + (f", steady {r['steady_tokens_per_second']:.0f} tok/s, compile {r['compile_seconds']:.1f} s, "
-                     f"recompiles {r['recompiles']}" if "steady_tokens_per_second" in r else ""), flush=True)
+                  + (f", steady {r['steady_tokens_per_second']:.0f} tok/s, blocks {'compiled' if r['compiled'] else 'eager'}"
+                     f", compile {r['compile_seconds']:.1f} s, recompiles {r['recompiles']}"
+                     if "steady_tokens_per_second" in r else ""), flush=True)
     base = {v: sorted(x["tokens_per_second"] for x in rs)[len(rs) // 2] for v, rs in results.items()}
     print("\nmedian whole-run tokens/s and ratios")
     for v, tps in base.items():

@@ -43,6 +43,7 @@ class CompileSettings:
     dynamic: bool | None = None  # None lets dynamo decide; False pins static shapes
     fullgraph: bool = False
     regions: str = "blocks"  # blocks | blocks+head (also compiles final norm + lm_head + loss)
+    when: str = "always"  # always | pays_back: the first steps run eager, compile only if the run earns it back
 
 
 @dataclass
@@ -190,6 +191,7 @@ CHOICES: dict[str, tuple[tuple, Any]] = {
     "compile.mode": ((None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"), None),
     "compile.dynamic": ((None, True, False), None),
     "compile.regions": (("blocks", "blocks+head"), "blocks"),
+    "compile.when": (("always", "pays_back"), "pays_back"),
     "optimizer.name": ((AUTO, "keep", "adamw", "adamw_fused", "adamw_8bit", "paged_adamw_8bit"), AUTO),
     "checkpointing.enabled": ((AUTO, True, False), True),
     "lora.quantization": ((None, "4bit", "8bit"), None),

@@ -17,7 +17,7 @@ def recompiling_run(tmp_path_factory):
     from hf_speedup.tiny import causal_lm_collator, char_tokenizer, make_dataset, tiny_llama
 
     tok = char_tokenizer()
-    cfg = get_preset("fast").replace(compile={"backend": "eager", "dynamic": False},
+    cfg = get_preset("fast").replace(compile={"backend": "eager", "dynamic": False, "when": "always"},
                                      data={"padding_free": False, "pad_to_multiple_of": None, "drop_last": None})
     args = TrainingArguments(output_dir=str(tmp_path_factory.mktemp("run")), per_device_train_batch_size=4,
                              max_steps=6, logging_steps=2, report_to=[], use_cpu=True, save_strategy="no", seed=0,

@@ -32,6 +32,7 @@ from .. import compat
 from ..blocks import find_blocks, find_final_norm, unwrap_model
 from ..hardware import cpu_name
 from ..plan_types import OFF, Decision, Outcome, PlanContext
+from .compile_payback import MEASURED_STEPS, PAYBACK, CompileGate, PaybackCallback
 from .probe import steps_trained
 
 NAME = "compile"
@@ -52,6 +53,7 @@ class Settings:
     block_class: str | None
     num_blocks: int
     cpu_gemm: str = "default"  # autotune: each CPU GEMM shape on MKL or oneDNN, whichever is faster
+    when: str = "always"  # always | pays_back (the first steps eager, compiled only if it earns back; compile_payback)
 
 
 def _off(requested: Any, reason: str, settings: Settings, fallbacks: list | None = None) -> Decision:
@@ -67,7 +69,7 @@ def decide(ctx: PlanContext) -> Decision:
     requested = cfg.enabled
     settings = Settings(backend=cfg.backend, mode=cfg.mode, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph,
                         regions=cfg.regions, block_class=getattr(info, "block_class", None),
-                        num_blocks=getattr(info, "num_blocks", 0))
+                        num_blocks=getattr(info, "num_blocks", 0), when=_when(cfg.when, caps))
     explicit = requested is True
     if requested is False:
         return _off(requested, "compile.enabled = false", settings)
@@ -103,6 +105,26 @@ def decide(ctx: PlanContext) -> Decision:
 NO_CUDAGRAPHS = "max-autotune-no-cudagraphs"
 
 
+def _when(asked: str, caps) -> str:
+    """``pays_back`` only where the payback constants were measured and one process decides alone."""
+    return "pays_back" if asked == "pays_back" and caps.device_type in PAYBACK and not caps.distributed else "always"
+
+
+def _when_reason(asked: str, s: Settings, caps) -> str:
+    if asked != "pays_back":
+        return ""
+    if s.when == "pays_back":
+        gain, cold = PAYBACK[caps.device_type]
+        return (f"compile.when = pays_back: the first steps run eager and are timed; the blocks compile only if the "
+                f"remaining eager time x {gain:.0%} (what compiled blocks saved on {caps.device_type}) exceeds a "
+                f"cold compile (~{cold:.0f} s)")
+    if caps.distributed:
+        return (f"compile.when = pays_back: compiled from the first step on all {caps.world_size} processes (ranks "
+                "timing their own steps could decide differently)")
+    return (f"compile.when = pays_back: compiled from the first step (compile gain and cost not measured on "
+            f"{caps.device_type} yet)")
+
+
 def _on_reason(ctx: PlanContext, s: Settings) -> str:
     """Why it is on, plus what it composes with (LoRA, checkpointing, FSDP, shapes)."""
     head = " + final norm, lm_head and loss" if s.regions == "blocks+head" else ""
@@ -119,6 +141,8 @@ def _on_reason(ctx: PlanContext, s: Settings) -> str:
     if s.cpu_gemm == "autotune":
         parts.append("max-autotune on CPU: each GEMM shape runs on MKL or oneDNN, whichever is faster here "
                      "(inductor's own GEMM templates need frozen weights, so they cannot serve training)")
+    if when := _when_reason(ctx.config.compile.when, s, ctx.caps):
+        parts.append(when)
     if s.mode == NO_CUDAGRAPHS and ctx.config.compile.mode == "max-autotune":
         parts.append("max-autotune without CUDA graphs: with a dynamic sequence dimension inductor would record "
                      "new graphs for every length seen, their memory pool growing step after step")
@@ -151,6 +175,18 @@ def training_args(decision: Decision, args) -> dict:
     return {}
 
 
+def callbacks(decision: Decision, trainer, outcome: Outcome) -> list:
+    """``pays_back``: the callback that times the first steps and opens the regions' gate, or declines."""
+    if not decision.active or decision.settings.when != "pays_back":
+        return []
+    return [PaybackCallback(trainer, outcome, trainer.speedup_plan.caps.device_type, gate_of)]
+
+
+def gate_of(model) -> CompileGate | None:
+    regions = guarded_regions(model)
+    return regions[0].gate if regions else None
+
+
 # --------------------------------------------------------------------------------------------- regions
 class GuardedRegion:
     """The compiled call of one region; a compiler failure switches it to eager, recorded, never silent.
@@ -161,7 +197,8 @@ class GuardedRegion:
     every compile of a kind after its first.
     """
 
-    def __init__(self, eager: Callable, kind: str, label: str, compile_kwargs: dict, target: Callable | None = None):
+    def __init__(self, eager: Callable, kind: str, label: str, compile_kwargs: dict, target: Callable | None = None,
+                 gate: CompileGate | None = None):
         import torch
 
         self.eager = eager
@@ -169,13 +206,18 @@ class GuardedRegion:
         self.label = label
         self.compile_kwargs = dict(compile_kwargs)
         self.compiled = torch.compile(target or eager, **compile_kwargs)
+        self.gate = gate if gate is not None else CompileGate()
         self.fallback_reason: str | None = None
         self.calls = 0  # forwards that went through the compiled callable (a cached graph compiles nothing new)
         self.compiles = 0
         self.compile_seconds = 0.0
 
+    @property
+    def running_compiled(self) -> bool:
+        return self.fallback_reason is None and self.gate.open
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.fallback_reason is not None or _decoding(kwargs):
+        if not self.running_compiled or _decoding(kwargs):
             return self.eager(*args, **kwargs)
         self.calls += 1
         before = _graphs_so_far()
@@ -246,7 +288,7 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else repr(exc)
 
 
-def compile_module(module, kind: str, label: str, compile_kwargs: dict) -> bool:
+def compile_module(module, kind: str, label: str, compile_kwargs: dict, gate: CompileGate | None = None) -> bool:
     """Compile ``module`` in place; idempotent (False when it already runs a GuardedRegion).
 
     Like ``nn.Module.compile()``, the target is ``_call_impl``: dynamo runs that frame (hooks) eager and
@@ -261,7 +303,7 @@ def compile_module(module, kind: str, label: str, compile_kwargs: dict) -> bool:
     target = None
     if type(module).__module__.startswith("torch."):
         target = types.MethodType(_trampoline(kind), module)
-    module._compiled_call_impl = GuardedRegion(module._call_impl, kind, label, compile_kwargs, target)
+    module._compiled_call_impl = GuardedRegion(module._call_impl, kind, label, compile_kwargs, target, gate)
     return True
 
 
@@ -276,18 +318,18 @@ def _trampoline(kind: str) -> Callable:
     return region
 
 
-def _compile_head(model, compile_kwargs: dict) -> list[str]:
+def _compile_head(model, compile_kwargs: dict, gate: CompileGate | None = None) -> list[str]:
     """Final norm, lm_head (in place) and the loss function; returns the regions compiled."""
     base = unwrap_model(model)
     done = []
     norm = find_final_norm(base)
-    if norm is not None and compile_module(norm, "final_norm", "final norm", compile_kwargs):
+    if norm is not None and compile_module(norm, "final_norm", "final norm", compile_kwargs, gate):
         done.append("final_norm")
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if head is not None and compile_module(head, "lm_head", "lm_head", compile_kwargs):
+    if head is not None and compile_module(head, "lm_head", "lm_head", compile_kwargs, gate):
         done.append("lm_head")
     if hasattr(type(base), "loss_function") and not isinstance(getattr(base, "_loss_function", None), CompiledLoss):
-        base.loss_function = CompiledLoss(base.loss_function, compile_kwargs)
+        base.loss_function = CompiledLoss(base.loss_function, compile_kwargs, gate)
         done.append("loss")
     return done
 
@@ -296,9 +338,9 @@ class CompiledLoss:
     """The model's loss function as a guarded region; ints such as ``num_items_in_batch`` become
     tensors so a changing token count does not recompile the graph every step."""
 
-    def __init__(self, fn: Callable, compile_kwargs: dict):
+    def __init__(self, fn: Callable, compile_kwargs: dict, gate: CompileGate | None = None):
         self.fn = fn
-        self.region = GuardedRegion(fn, "loss", "loss", compile_kwargs)
+        self.region = GuardedRegion(fn, "loss", "loss", compile_kwargs, gate=gate)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         import torch
@@ -347,10 +389,11 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
     if not decision.active:
         return
     kwargs = compile_kwargs_of(decision, settle_cpu_gemm(decision, outcome))
+    gate = CompileGate(open_=decision.settings.when == "always")  # pays_back: PaybackCallback opens it, or not
     blocks = find_blocks(setup.model)
     for i, block in enumerate(blocks):
-        compile_module(block, type(block).__name__, f"{type(block).__name__}[{i}]", kwargs)
-    head = _compile_head(setup.model, kwargs) if decision.settings.regions == "blocks+head" else []
+        compile_module(block, type(block).__name__, f"{type(block).__name__}[{i}]", kwargs, gate)
+    head = _compile_head(setup.model, kwargs, gate) if decision.settings.regions == "blocks+head" else []
     outcome.facts["compiled_head"] = head
     logger.info("hf_speedup: compiled %d %s block(s)%s in place (%s)", len(blocks), decision.settings.block_class,
                 f" + {', '.join(head)}" if head else "", ", ".join(f"{k}={v}" for k, v in kwargs.items()))
@@ -523,7 +566,7 @@ def compile_stats(model) -> dict:
     for r in regions:
         per_kind[r.kind] = per_kind.get(r.kind, 0) + r.compiles
     return {
-        "compiled_regions": sum(r.fallback_reason is None for r in regions),
+        "compiled_regions": sum(r.running_compiled for r in regions),
         "compiles": sum(per_kind.values()),
         "recompiles": sum(max(0, n - 1) for n in per_kind.values()),
         "compile_seconds": sum(r.compile_seconds for r in regions),
@@ -538,6 +581,11 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     s = decision.settings
     regions = guarded_regions(trainer.model)
     blocks = [r for r in regions if r.kind not in HEAD_REGIONS]
+    gate = regions[0].gate if regions else None
+    if gate is not None and not gate.open:
+        ready = f"{len(blocks)}/{s.num_blocks} {s.block_class} blocks ready to compile"
+        return False, f"{ready}; {gate.verdict}" if gate.declined else (
+            f"{ready}, not compiling yet: compile.when = pays_back decides after the first {MEASURED_STEPS + 1} steps")
     fallen = [r for r in regions if r.fallback_reason]
     ok = [r for r in blocks if r.fallback_reason is None]
     how = f"{s.backend}, {s.mode or 'default'}"

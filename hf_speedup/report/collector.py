@@ -113,7 +113,7 @@ class SpeedupCallback(TrainerCallback):
         self.last_logged_step = -1
         self.dynamo_start = M.dynamo_snapshot()
         self.events = M.compile_events()
-        self.first_step_compile_seconds: float | None = None  # the cold compile: what the first step compiled
+        self.first_step_compile_seconds: float | None = None  # the cold compile: up to the first step that compiled
         self.t_begin = self.t_last = time.perf_counter()
         self.carried = carry.Carried()  # counts of the runs before a resume (none: a fresh run)
         self.resumed_from = self.carry_note = None
@@ -363,7 +363,7 @@ class SpeedupCallback(TrainerCallback):
         self.t_last = now
         if tracked:
             self.warmup.add(idx)
-        if idx == 0:
+        if idx == 0 or not self.first_step_compile_seconds:  # the cold compile: the first step that compiled
             self.first_step_compile_seconds = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())["compile_seconds"]
         events = M.compile_events()
         compiled = events != self.events

@@ -495,7 +495,8 @@ def compiled_regions(*models: Any) -> int:
                 continue
             seen.add(id(m))
             wrapped = bool(OptimizedModule) and isinstance(m, OptimizedModule)
-            if wrapped or getattr(m, "_compiled_call_impl", None) is not None:
+            impl = getattr(m, "_compiled_call_impl", None)  # hf_speedup's guarded regions say if they run compiled
+            if wrapped or (impl is not None and getattr(impl, "running_compiled", True)):
                 n += 1
     return n
 

@@ -1,0 +1,95 @@
+"""``compile.when: pays_back``: compile the blocks only when this run is long enough to earn the cold compile back.
+
+A cold compile is a fixed cost paid in the first step; what it buys is a fraction of every later step. On a short
+run the fixed cost wins: on a 2-core Intel Xeon (AVX-512, no AMX), 200 steps of the tiny Llama on ragged rows took
+52.9 s with compiled blocks (24.5 s of it compiling) and 32.2 s eager (benchmarks/RESULTS.md). So the regions are
+installed at once, the first steps run eager and are timed, and then the gate opens only if
+
+    remaining steps x eager step time x GAIN  >  COLD_COMPILE_SECONDS
+
+Either verdict is written into the report and logged. Only devices with measured constants defer: elsewhere (CUDA,
+until measured there) and in multi-process runs (ranks timing their own steps could decide differently) the
+regions compile from the first step, as ``when: always``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from transformers import TrainerCallback
+
+from ..plan_types import Outcome
+
+logger = logging.getLogger("hf_speedup")
+
+# device type -> (fraction of a step that compiled blocks save, seconds a cold compile of one block kind costs).
+# CPU, measured with benchmarks/bench_sft.py (fp32 tiny Llama, ragged padding-free rows, dynamic sequence dim):
+# steady 8,412 tokens/s compiled vs 7,564 eager (+11%) on a 2-core Intel Xeon AVX-512; cold compile 16-25 s there,
+# 15 s on a 2-core AMD EPYC (AVX2).
+PAYBACK = {"cpu": (0.10, 20.0)}
+MEASURED_STEPS = 2  # eager steps timed after the first one (which carries one-off costs) before deciding
+
+
+class CompileGate:
+    """Whether the guarded regions of one model run compiled yet; shared by all of them."""
+
+    def __init__(self, open_: bool = True):
+        self.open = open_
+        self.declined = False
+        self.verdict = ""  # why it opened or stays shut (``pays_back``)
+
+    def decide(self, step_seconds: float, remaining: int, gain: float, cold_seconds: float) -> str:
+        saving = gain * step_seconds * remaining
+        costs = (f"{remaining} step(s) left at {step_seconds:.3g} s eager: compiled blocks would save ~{saving:.3g} s "
+                 f"({gain:.0%} of a step) against a cold compile of ~{cold_seconds:.0f} s")
+        if saving > cold_seconds:
+            self.open = True
+            self.verdict = f"compile.when = pays_back: compiling from the next step: {costs}"
+        else:
+            self.declined = True
+            self.verdict = (f"compile.when = pays_back: not compiled for this run, it would not pay back: {costs}; "
+                            "fix: compile.when: always to compile anyway")
+        return self.verdict
+
+    def decline(self, why: str) -> str:
+        self.declined = True
+        self.verdict = f"compile.when = pays_back: not compiled for this run: {why}; fix: compile.when: always"
+        return self.verdict
+
+    @property
+    def pending(self) -> bool:
+        return not self.open and not self.declined
+
+
+class PaybackCallback(TrainerCallback):
+    """Times the first eager steps of the run, then opens the gate or declines (once per gate)."""
+
+    def __init__(self, trainer, outcome: Outcome, device_type: str, gate_of):
+        self.trainer = trainer
+        self.outcome = outcome
+        self.gain, self.cold_seconds = PAYBACK[device_type]
+        self.gate_of = gate_of  # model -> its CompileGate (a model_init trial brings a new model and gate)
+        self.ends: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.ends = []
+        gate = self.gate_of(self.trainer.model)
+        if gate is not None and gate.pending and state.max_steps - state.global_step <= MEASURED_STEPS + 1:
+            self._settle(gate.decline(f"the run has {state.max_steps - state.global_step} step(s) left, too few to "
+                                      "earn back a cold compile"), gate)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        gate = self.gate_of(self.trainer.model)
+        if gate is None or not gate.pending:
+            return
+        self.ends.append(time.perf_counter())
+        if len(self.ends) <= MEASURED_STEPS:
+            return
+        step_seconds = min(b - a for a, b in zip(self.ends, self.ends[1:]))  # noise only adds time
+        self._settle(gate.decide(step_seconds, state.max_steps - state.global_step, self.gain, self.cold_seconds),
+                     gate)
+
+    def _settle(self, verdict: str, gate: CompileGate) -> None:
+        self.outcome.notes.append(verdict)
+        (logger.warning if gate.declined else logger.info)("hf_speedup: %s", verdict)

@@ -1,0 +1,105 @@
+"""compile.when = pays_back: the first steps run eager and are timed; the blocks compile only when the rest of the
+run earns a cold compile back. Checked on the live regions (calls through the compiled callable, dynamo graphs)."""
+
+import logging
+
+import pytest
+
+from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
+from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset
+from hf_speedup import build_plan as build
+from hf_speedup.features import compile as rc
+from hf_speedup.features import compile_payback
+
+# dynamic: one graph for every padded length, so any recompile below would be the accounting's, not the shapes'
+PAYS_BACK = {"compile": {"enabled": True, "backend": "eager", "mode": None, "dynamic": True, "when": "pays_back"}}
+
+
+def _config():
+    return get_preset("baseline").replace(**PAYS_BACK)
+
+
+def _train(tiny_model, make_args, dataset, collator, monkeypatch, cost, steps):
+    """A run whose payback constants make the verdict certain: (gain 10%, ``cost`` seconds of cold compile)."""
+    monkeypatch.setitem(compile_payback.PAYBACK, "cpu", (0.10, cost))
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=steps), train_dataset=dataset,
+                             data_collator=collator, speedup=_config())
+    assert compile_payback.MEASURED_STEPS == 2  # the step counts below: 1 warm-up step + 2 timed, then the verdict
+    trainer.train()
+    blocks = [r for r in rc.guarded_regions(trainer.model) if r.kind not in rc.HEAD_REGIONS]
+    assert len(blocks) == tiny_model.config.num_hidden_layers
+    return trainer, blocks
+
+
+def test_a_run_that_cannot_earn_the_compile_back_stays_eager(tiny_model, make_args, dataset, collator, monkeypatch,
+                                                            caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_speedup"):
+        trainer, blocks = _train(tiny_model, make_args, dataset, collator, monkeypatch, cost=1e9, steps=6)
+    assert [(r.calls, r.compiles) for r in blocks] == [(0, 0)] * len(blocks)  # no block forward went compiled
+    status = trainer.speedup_status["compile"]
+    assert status.engaged is False
+    assert "not compiled for this run, it would not pay back: 3 step(s) left" in status.engaged_reason
+    assert "fix: compile.when: always" in status.engaged_reason
+    assert any("would not pay back" in note for note in status.outcome.notes)
+    assert any("would not pay back" in r.getMessage() for r in caplog.records)  # logged, not silent
+    assert trainer.speedup_report.to_dict()["metrics"]["compiled_regions"] == 0
+
+
+def test_a_run_that_earns_it_back_compiles_after_the_timed_steps(tiny_model, make_args, dataset, collator,
+                                                                 monkeypatch):
+    trainer, blocks = _train(tiny_model, make_args, dataset, collator, monkeypatch, cost=0.0, steps=6)
+    assert [r.calls for r in blocks] == [3] * len(blocks)  # steps 4-6 only: 1 warm-up + 2 timed steps ran eager
+    assert sum(r.compiles for r in blocks) == 1  # one graph for every block (shared forward)
+    status = trainer.speedup_status["compile"]
+    assert status.engaged, status.engaged_reason
+    assert "compiling from the next step: 3 step(s) left" in status.reason
+    metrics = trainer.speedup_report.to_dict()["metrics"]
+    assert metrics["compiled_regions"] == len(blocks)
+    # the cold compile came at step 4: it is the cold compile, not recompiling
+    assert metrics["compile_seconds"] > 0 and metrics["recompile_seconds"] == 0 and metrics["recompiles"] == 0
+
+
+def test_a_run_too_short_to_time_is_declined_before_its_first_step(tiny_model, make_args, dataset, collator,
+                                                                   monkeypatch):
+    trainer, blocks = _train(tiny_model, make_args, dataset, collator, monkeypatch, cost=0.0, steps=3)
+    assert [r.calls for r in blocks] == [0] * len(blocks)
+    assert "the run has 3 step(s) left, too few" in trainer.speedup_status["compile"].engaged_reason
+
+
+def test_verdict_arithmetic():
+    gate = compile_payback.CompileGate(open_=False)
+    gate.decide(step_seconds=0.5, remaining=1000, gain=0.10, cold_seconds=20.0)  # saves ~50 s > 20 s
+    assert gate.open and not gate.declined
+    gate = compile_payback.CompileGate(open_=False)
+    gate.decide(step_seconds=0.15, remaining=200, gain=0.10, cold_seconds=20.0)  # saves ~3 s < 20 s
+    assert gate.declined and not gate.open and "~3 s" in gate.verdict
+
+
+def test_fast_defers_on_cpu_and_compiles_from_the_start_where_payback_is_unmeasured_or_ranks_could_disagree(tiny_model):
+    def build_plan(config, caps):
+        return build(config, caps=caps, model=tiny_model)
+
+    cpu = build_plan("fast", caps=fake_caps(**CPU_NO_BF16))["compile"]
+    assert cpu.settings.when == "pays_back"
+    assert "the first steps run eager and are timed" in cpu.reason and "~20 s" in cpu.reason
+    cuda = build_plan("fast", caps=fake_caps(**CUDA_H100))["compile"]
+    assert cuda.settings.when == "always" and "not measured on cuda yet" in cuda.reason
+    two = build_plan("fast", caps=fake_caps(**CPU_NO_BF16, world_size=2))["compile"]
+    assert two.settings.when == "always" and "on all 2 processes" in two.reason
+    explicit = build_plan(get_preset("fast").replace(compile={"when": "always"}), caps=fake_caps(**CPU_NO_BF16))
+    assert explicit["compile"].settings.when == "always" and "pays_back" not in explicit["compile"].reason
+
+
+def test_always_compiles_from_the_first_step(tiny_model, make_args, dataset, collator):
+    cfg = get_preset("baseline").replace(compile={"enabled": True, "backend": "eager", "mode": None})
+    assert cfg.compile.when == "always"  # the default: an explicit compile is not second-guessed
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=3), train_dataset=dataset,
+                             data_collator=collator, speedup=cfg)
+    trainer.train()
+    assert [r.calls for r in rc.guarded_regions(trainer.model)] == [3] * tiny_model.config.num_hidden_layers
+
+
+def test_bad_when_is_named_with_the_allowed_values():
+    with pytest.raises(SpeedupConfigError, match=r"compile\.when = 'later' is not allowed; allowed: 'always', "
+                                                 r"'pays_back'"):
+        get_preset("fast").replace(compile={"when": "later"})
