@@ -179,6 +179,8 @@ class SpeedupMixin(FsdpTrainerMixin):
             feature.apply(self.speedup_plan[feature.NAME], setup, outcome)
         if setup.data_collator is not None:
             self.data_collator = setup.data_collator
+        if getattr(setup.model, "config", None) is not None:  # what Trainer.__init__ does for its first model: a
+            setup.model.config.use_cache = self.args.use_cache  # cache in training forwards recompiles every block
         return setup.model
 
     def speedup_training_args(self, args):

@@ -21,7 +21,7 @@ def _config():
 
 def _train(tiny_model, make_args, dataset, collator, monkeypatch, cost, steps):
     """A run whose payback constants make the verdict certain: (gain 10%, ``cost`` seconds of cold compile)."""
-    monkeypatch.setitem(compile_payback.PAYBACK, "cpu", (0.10, cost))
+    monkeypatch.setitem(compile_payback.PAYBACK, "cpu", (0.10, cost, cost))
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=steps), train_dataset=dataset,
                              data_collator=collator, speedup=_config())
     assert compile_payback.MEASURED_STEPS == 2  # the step counts below: 1 warm-up step + 2 timed, then the verdict
@@ -68,10 +68,10 @@ def test_a_run_too_short_to_time_is_declined_before_its_first_step(tiny_model, m
 
 def test_verdict_arithmetic():
     gate = compile_payback.CompileGate(open_=False)
-    gate.decide(step_seconds=0.5, remaining=1000, gain=0.10, cold_seconds=20.0)  # saves ~50 s > 20 s
+    gate.decide(step_seconds=0.5, remaining=1000, gain=0.10, cost_seconds=20.0)  # saves ~50 s > 20 s
     assert gate.open and not gate.declined
     gate = compile_payback.CompileGate(open_=False)
-    gate.decide(step_seconds=0.15, remaining=200, gain=0.10, cold_seconds=20.0)  # saves ~3 s < 20 s
+    gate.decide(step_seconds=0.15, remaining=200, gain=0.10, cost_seconds=20.0)  # saves ~3 s < 20 s
     assert gate.declined and not gate.open and "~3 s" in gate.verdict
 
 
@@ -103,3 +103,63 @@ def test_bad_when_is_named_with_the_allowed_values():
     with pytest.raises(SpeedupConfigError, match=r"compile\.when = 'later' is not allowed; allowed: 'always', "
                                                  r"'pays_back'"):
         get_preset("fast").replace(compile={"when": "later"})
+
+
+def test_a_model_reused_by_another_trainer_follows_that_trainers_gate(tiny_model, make_args, dataset, collator,
+                                                                      monkeypatch):
+    first, _ = _train(tiny_model, make_args, dataset, collator, monkeypatch, cost=0.0, steps=3)  # declined: too short
+    always = get_preset("baseline").replace(compile={**PAYS_BACK["compile"], "when": "always"})
+    second = SpeedupTrainer(model=first.model, args=make_args(max_steps=3), train_dataset=dataset,
+                            data_collator=collator, speedup=always)
+    second.train()
+    assert [r.calls for r in rc.guarded_regions(second.model)] == [3] * tiny_model.config.num_hidden_layers
+    status = second.speedup_status["compile"]
+    assert status.engaged and "pays_back" not in status.engaged_reason, status.engaged_reason
+
+
+def test_a_declined_verdict_is_taken_again_by_the_next_train(tiny_model, make_args, dataset, collator, monkeypatch):
+    trainer, blocks = _train(tiny_model, make_args, dataset, collator, monkeypatch, cost=0.0, steps=3)
+    assert [r.calls for r in blocks] == [0] * len(blocks)
+    trainer.args.max_steps = 10
+    trainer.train()
+    assert [r.calls for r in blocks] == [7] * len(blocks)  # 10 steps: 3 eager (1 warm-up + 2 timed), then compiled
+    notes = [n for n in trainer.speedup_status["compile"].outcome.notes if "pays_back" in n]
+    assert len(notes) == 1 and "compiling from the next step: 7 step(s) left" in notes[0]
+
+
+def test_the_profile_window_opens_after_the_timed_steps_and_the_compile(tiny_model):
+    on = {"profile": {"enabled": True}}
+    deferred = build(get_preset("fast").replace(**on), caps=fake_caps(**CPU_NO_BF16), model=tiny_model)["profile"]
+    assert deferred.settings.window == (6, 7) and "profile.wait 1 -> 4" in deferred.reason
+    always = build(get_preset("fast").replace(compile={"when": "always"}, **on), caps=fake_caps(**CPU_NO_BF16),
+                   model=tiny_model)["profile"]
+    assert always.settings.window == (3, 4)
+
+
+def test_a_recompile_in_a_process_whose_graphs_are_warm_still_counts_as_recompiling(make_args, dataset, tokenizer):
+    """Steps 1-2 reuse the graph an earlier trainer compiled (nothing compiles); step 3's new length recompiles."""
+    import torch
+
+    from hf_speedup.tiny import tiny_llama
+
+    class Lengths:
+        def __init__(self, switch):
+            self.calls, self.switch = 0, switch
+
+        def __call__(self, rows):
+            self.calls += 1
+            ids = torch.randint(1, 40, (len(rows), 32 if self.calls <= self.switch else 48))
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    static = get_preset("baseline").replace(compile={**PAYS_BACK["compile"], "dynamic": False, "when": "always"})
+    torch._dynamo.reset()
+    metrics = []
+    for switch, steps in ((100, 2), (2, 4)):
+        trainer = SpeedupTrainer(model=tiny_llama(seed=0, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=2, num_key_value_heads=2),
+                                 args=make_args(max_steps=steps, remove_unused_columns=False), train_dataset=dataset,
+                                 data_collator=Lengths(switch), speedup=static)
+        trainer.train()
+        metrics.append(trainer.speedup_report.to_dict()["metrics"])
+    assert metrics[1]["recompiles"] == 1 and metrics[1]["recompile_seconds"] > 0, metrics[1]
+    assert metrics[1]["recompile_seconds"] == pytest.approx(metrics[1]["compile_seconds"])  # no cold compile here

@@ -81,6 +81,9 @@ def test_model_init_models_get_the_plan_at_construction_and_at_every_train(make_
     trainer.train()  # the Trainer calls model_init again: a fresh model, adapted the same way
     assert len(made) == 2 and isinstance(trainer.model, PeftModel)
     assert trainer.model.get_base_model() is made[1]
+    # as Trainer.__init__ does for its first model: no KV cache in training forwards (compiled blocks would
+    # recompile for it, and padding-free rows would attend across sequences)
+    assert made[1].config.use_cache is trainer.args.use_cache is False
     names = trainable(trainer.model)
     assert names and all("lora_" in n for n in names)
     assert trainer.speedup_status["lora"].engaged is True  # verified again on the model that trained

@@ -32,7 +32,7 @@ from .. import compat
 from ..blocks import find_blocks, find_final_norm, unwrap_model
 from ..hardware import cpu_name
 from ..plan_types import OFF, Decision, Outcome, PlanContext
-from .compile_payback import MEASURED_STEPS, PAYBACK, CompileGate, PaybackCallback
+from .compile_payback import MEASURED_STEPS, PAYBACK, CompileGate, PaybackCallback, compile_cost_text
 from .probe import steps_trained
 
 NAME = "compile"
@@ -114,10 +114,10 @@ def _when_reason(asked: str, s: Settings, caps) -> str:
     if asked != "pays_back":
         return ""
     if s.when == "pays_back":
-        gain, cold = PAYBACK[caps.device_type]
+        gain = PAYBACK[caps.device_type][0]
         return (f"compile.when = pays_back: the first steps run eager and are timed; the blocks compile only if the "
-                f"remaining eager time x {gain:.0%} (what compiled blocks saved on {caps.device_type}) exceeds a "
-                f"cold compile (~{cold:.0f} s)")
+                f"remaining eager time x {gain:.0%} (what compiled blocks saved on {caps.device_type}) exceeds "
+                f"{compile_cost_text(caps.device_type, s.dynamic is not True)}")
     if caps.distributed:
         return (f"compile.when = pays_back: compiled from the first step on all {caps.world_size} processes (ranks "
                 "timing their own steps could decide differently)")
@@ -179,7 +179,8 @@ def callbacks(decision: Decision, trainer, outcome: Outcome) -> list:
     """``pays_back``: the callback that times the first steps and opens the regions' gate, or declines."""
     if not decision.active or decision.settings.when != "pays_back":
         return []
-    return [PaybackCallback(trainer, outcome, trainer.speedup_plan.caps.device_type, gate_of)]
+    return [PaybackCallback(trainer, outcome, trainer.speedup_plan.caps.device_type, gate_of,
+                            static_shapes=decision.settings.dynamic is not True)]
 
 
 def gate_of(model) -> CompileGate | None:
@@ -297,6 +298,8 @@ def compile_module(module, kind: str, label: str, compile_kwargs: dict, gate: Co
     """
     current = getattr(module, "_compiled_call_impl", None)
     if isinstance(current, GuardedRegion):
+        if gate is not None:  # a model reused by another trainer: that trainer's gate decides from now on
+            current.gate = gate
         return False
     if current is not None:
         logger.info("hf_speedup: %s was already compiled by the caller; recompiling it as a guarded region", label)
@@ -328,7 +331,10 @@ def _compile_head(model, compile_kwargs: dict, gate: CompileGate | None = None) 
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if head is not None and compile_module(head, "lm_head", "lm_head", compile_kwargs, gate):
         done.append("lm_head")
-    if hasattr(type(base), "loss_function") and not isinstance(getattr(base, "_loss_function", None), CompiledLoss):
+    loss = getattr(base, "_loss_function", None)
+    if isinstance(loss, CompiledLoss) and gate is not None:
+        loss.region.gate = gate
+    elif hasattr(type(base), "loss_function") and not isinstance(loss, CompiledLoss):
         base.loss_function = CompiledLoss(base.loss_function, compile_kwargs, gate)
         done.append("loss")
     return done

@@ -38,6 +38,7 @@ from transformers import TrainerCallback
 
 from ..blocks import find_blocks, unwrap_model
 from ..plan_types import OFF, Decision, Outcome, PlanContext
+from .compile_payback import MEASURED_STEPS
 
 NAME = "profile"
 APPLIES_TO = "model"
@@ -81,16 +82,30 @@ def decide(ctx: PlanContext) -> Decision:
     fallbacks = ()
     if s.memory_snapshot and not snapshot:
         fallbacks = (f"memory_snapshot: {SNAPSHOT_CPU_REASON.format(device=device)}",)
-    settings = Settings(True, s.wait, s.warmup, s.active, s.record_shapes, s.profile_memory, s.with_stack,
+    wait, shifted = _after_compile_payback(ctx, s.wait)
+    settings = Settings(True, wait, s.warmup, s.active, s.record_shapes, s.profile_memory, s.with_stack,
                         snapshot, s.top_operators, device)
     first, last = settings.window
     steps = f"step {first}" if first == last else f"steps {first}-{last}"
-    reason = (f"torch.profiler on {steps} (after {s.wait} skipped + {s.warmup} warm-up): labelled blocks, loss and "
+    reason = (f"torch.profiler on {steps} (after {wait} skipped + {s.warmup} warm-up): labelled blocks, loss and "
               f"optimizer step; trace -> <output_dir>/{TRACE_SUBDIR}/{RUN_NAME}/ (TensorBoard, Perfetto); top "
               f"{s.top_operators} operators by self time in the report")
+    if shifted:
+        reason += (f"; profile.wait {s.wait} -> {wait}: compile.when = pays_back times the first steps eager and may "
+                   "compile the step after, which the window should neither slow nor contain")
     reason += "; CUDA memory snapshot of the window" if snapshot else (
         f"; memory snapshot not taken: {SNAPSHOT_CPU_REASON.format(device=device)}" if s.memory_snapshot else "")
     return Decision(NAME, requested, steps, settings=settings, reason=reason, fallbacks=fallbacks)
+
+
+def _after_compile_payback(ctx: PlanContext, wait: int) -> tuple[int, bool]:
+    """(steps to skip, whether that was raised) so the window opens after compile.when = pays_back has timed its
+    steps and compiled (or not) on the step after them."""
+    compile_ = ctx.decisions.get("compile")
+    if compile_ is None or not compile_.active or getattr(compile_.settings, "when", "always") != "pays_back":
+        return wait, False
+    least = MEASURED_STEPS + 2
+    return max(wait, least), wait < least
 
 
 # -------------------------------------------------------------------------------------------- apply

@@ -113,7 +113,7 @@ class SpeedupCallback(TrainerCallback):
         self.last_logged_step = -1
         self.dynamo_start = M.dynamo_snapshot()
         self.events = M.compile_events()
-        self.first_step_compile_seconds: float | None = None  # the cold compile: up to the first step that compiled
+        self.first_step_compile_seconds: float | None = None  # the cold compile: step 1's, or the step after pays_back opened
         self.t_begin = self.t_last = time.perf_counter()
         self.carried = carry.Carried()  # counts of the runs before a resume (none: a fresh run)
         self.resumed_from = self.carry_note = None
@@ -352,6 +352,11 @@ class SpeedupCallback(TrainerCallback):
         if self.active:
             self.memory.step_begin(state)
 
+    def _compile_opened_after(self) -> int:
+        """The step after which ``compile.when: pays_back`` let the blocks compile (-2: not in this run)."""
+        outcome = (getattr(self.trainer, "speedup_outcomes", None) or {}).get("compile")
+        return outcome.facts.get("compile_opened_after_step", -2) if outcome is not None else -2
+
     @_never_breaks_training()
     def on_step_end(self, args, state, control, **kwargs):
         if not self.active:
@@ -363,7 +368,7 @@ class SpeedupCallback(TrainerCallback):
         self.t_last = now
         if tracked:
             self.warmup.add(idx)
-        if idx == 0 or not self.first_step_compile_seconds:  # the cold compile: the first step that compiled
+        if idx == 0 or state.global_step == self._compile_opened_after() + 1:  # the cold compile's step
             self.first_step_compile_seconds = M.dynamo_diff(self.dynamo_start, M.dynamo_snapshot())["compile_seconds"]
         events = M.compile_events()
         compiled = events != self.events
