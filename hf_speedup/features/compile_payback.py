@@ -5,7 +5,7 @@ run the fixed cost wins: on a 2-core Intel Xeon (AVX-512, no AMX), 200 steps of 
 52.9 s with compiled blocks (24.5 s of it compiling) and 32.2 s eager (benchmarks/RESULTS.md). So the regions are
 installed at once, the first steps run eager and are timed, and then the gate opens only if
 
-    remaining steps x eager step time x GAIN  >  COLD_COMPILE_SECONDS
+    remaining steps x eager step time x gain  >  compile cost
 
 Either verdict is written into the report and logged. Only devices with measured constants defer: elsewhere (CUDA,
 until measured there) and in multi-process runs (ranks timing their own steps could decide differently) the
@@ -96,10 +96,18 @@ class PaybackCallback(TrainerCallback):
         self.gate_of = gate_of  # model -> its CompileGate (a model_init trial brings a new model and gate)
         self.ends: list[float] = []
         self.verdict: str | None = None  # the note this callback added (replaced when train() runs again)
+        self._gate: tuple = (None, None)  # (model, its gate): found again only when the trainer's model changes
+
+    def _current_gate(self) -> CompileGate | None:
+        model = self.trainer.model
+        if self._gate[0] is not model:
+            self._gate = (model, self.gate_of(model))
+        return self._gate[1]
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.ends = []
-        gate = self.gate_of(self.trainer.model)
+        self._gate = (None, None)
+        gate = self._current_gate()
         if gate is not None:
             gate.reconsider()
         if gate is not None and gate.pending and state.max_steps - state.global_step <= MEASURED_STEPS + 1:
@@ -107,7 +115,7 @@ class PaybackCallback(TrainerCallback):
                                       "earn back a cold compile"), gate)
 
     def on_step_end(self, args, state, control, **kwargs):
-        gate = self.gate_of(self.trainer.model)
+        gate = self._current_gate()
         if gate is None or not gate.pending:
             return
         self.ends.append(time.perf_counter())
