@@ -215,6 +215,18 @@ def fully_shard_fn():
     return fully_shard
 
 
+def fsdp_module_cls():
+    """FSDP2's ``FSDPModule`` (what ``fully_shard`` turns a module into), or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule  # torch 2.4-2.5
+        except ImportError:
+            return None
+    return FSDPModule
+
+
 def dtensor_cls():
     """``DTensor`` (public from torch 2.5; ``torch.distributed._tensor`` before), or None."""
     try:

@@ -219,6 +219,8 @@ def test_the_stock_trainer_trap_and_a_stale_optimizer(run):
     assert trap["auto_fsdp"]["engaged"] is False and "does NOT shard on CPU" in trap["auto_fsdp"]["reason"]
     assert "optimizers = (AdamW, ...) holds 39 parameter(s) of the unsharded model" in trap["stale_optimizer_error"]
     assert "optimizer_cls_and_kwargs" in trap["stale_optimizer_error"]
+    early = trap["forward_before_train"]  # a forward before train(): the units are resharded for the optimizer
+    assert early["error"] is None and math.isfinite(early["losses"]["1"]), early
 
 
 # ------------------------------------------------------------------------------------------ accelerate launch

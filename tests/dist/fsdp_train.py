@@ -267,6 +267,16 @@ def phase_trap(out: Path, rank: int, res: dict) -> None:
         info["stale_optimizer_error"] = None
     except SpeedupConfigError as exc:
         info["stale_optimizer_error"] = str(exc)
+    # a forward before train() (evaluate, a user's check) leaves the head and root units unsharded: still trains
+    early = trainer_for(build(0), make_args(out / "early", GLOBAL_BATCH // _world(), max_steps=1, save_strategy="no"),
+                        "fsdp", tok, ds)
+    with torch.no_grad():
+        early.model(**causal_lm_collator(tok)([ds[i] for i in range(2)]))
+    try:
+        early.train()
+        info["forward_before_train"] = {"losses": losses(early), "error": None}
+    except SpeedupConfigError as exc:
+        info["forward_before_train"] = {"losses": {}, "error": str(exc)}
     res["trap"] = info
 
 

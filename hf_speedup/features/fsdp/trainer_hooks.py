@@ -128,8 +128,13 @@ class FsdpTrainerMixin:
         compat.mark_prepared_for_accelerate(self.model)
 
     def create_optimizer(self, *args, **kwargs):
-        optimizer = super().create_optimizer(*args, **kwargs)
         backend, _ = self._speedup_fsdp()
+        if backend == "hf_speedup":  # as the Trainer does before its own FSDP2 optimizer (transformers >= 5.24):
+            FSDPModule = compat.fsdp_module_cls()  # a forward before train() (evaluate, a probe) leaves the units
+            for module in self.model.modules():  # kept unsharded after forward (head, root) holding plain tensors
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        optimizer = super().create_optimizer(*args, **kwargs)
         if backend == "hf_speedup":
             DTensor = compat.dtensor_cls()
             ids = {id(p) for p in self.model.parameters()}
