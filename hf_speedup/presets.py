@@ -32,8 +32,8 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         "to 64 with the last partial batch of an epoch dropped), Liger kernels on CUDA, and on CPU freed memory "
         "kept for reuse. Trade-off: a cold compile (tens of seconds on CPU); on CPU the first steps run eager and "
         "the blocks compile only when the rest of the run earns that back (compile.when: pays_back); on CPU "
-        "resident memory stays at its peak. regions: blocks+head also compiles final norm + lm_head + loss (no steady gain measurable "
-        "on CPU here, ~40% longer cold start).",
+        "resident memory stays at its peak. regions: blocks+head also compiles final norm + lm_head + loss (no "
+        "steady gain measurable on CPU here, ~40% longer cold start).",
         {
             "compile": {"enabled": True, "mode": "max-autotune", "dynamic": False, "regions": "blocks",
                         "when": "pays_back"},

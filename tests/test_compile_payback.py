@@ -68,10 +68,10 @@ def test_a_run_too_short_to_time_is_declined_before_its_first_step(tiny_model, m
 
 def test_verdict_arithmetic():
     gate = compile_payback.CompileGate(open_=False)
-    gate.decide(step_seconds=0.5, remaining=1000, gain=0.10, cost_seconds=20.0)  # saves ~50 s > 20 s
+    gate.decide(step_seconds=0.5, remaining=1000, gain=0.10, cost_seconds=20.0, cost_text="~20 s")  # saves ~50 s > 20 s
     assert gate.open and not gate.declined
     gate = compile_payback.CompileGate(open_=False)
-    gate.decide(step_seconds=0.15, remaining=200, gain=0.10, cost_seconds=20.0)  # saves ~3 s < 20 s
+    gate.decide(step_seconds=0.15, remaining=200, gain=0.10, cost_seconds=20.0, cost_text="~20 s")  # saves ~3 s < 20 s
     assert gate.declined and not gate.open and "~3 s" in gate.verdict
 
 

@@ -55,11 +55,10 @@ class CompileGate:
         self.declined = False
         self.verdict = ""  # why it opened or stays shut (``pays_back``)
 
-    def decide(self, step_seconds: float, remaining: int, gain: float, cost_seconds: float,
-               cost_text: str = "") -> str:
+    def decide(self, step_seconds: float, remaining: int, gain: float, cost_seconds: float, cost_text: str) -> str:
         saving = gain * step_seconds * remaining
         costs = (f"{remaining} step(s) left at {step_seconds:.3g} s eager: compiled blocks would save ~{saving:.3g} s "
-                 f"({gain:.0%} of a step) against {cost_text or f'a cold compile (~{cost_seconds:.0f} s)'}")
+                 f"({gain:.0%} of a step) against {cost_text}")
         if saving > cost_seconds:
             self.open = True
             self.verdict = f"compile.when = pays_back: compiling from the next step: {costs}"

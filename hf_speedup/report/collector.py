@@ -32,6 +32,7 @@ from array import array
 
 from transformers import TrainerCallback
 
+from ..features.compile_payback import OPENED_AFTER_STEP
 from ..model_info import ParamCounts, parameter_counts
 from ..peak_flops import resolve_peak_flops
 from . import carry
@@ -113,7 +114,8 @@ class SpeedupCallback(TrainerCallback):
         self.last_logged_step = -1
         self.dynamo_start = M.dynamo_snapshot()
         self.events = M.compile_events()
-        self.first_step_compile_seconds: float | None = None  # the cold compile: step 1's, or the step after pays_back opened
+        # the cold compile: step 1's, or that of the step after compile.when = pays_back opened the gate
+        self.first_step_compile_seconds: float | None = None
         self.t_begin = self.t_last = time.perf_counter()
         self.carried = carry.Carried()  # counts of the runs before a resume (none: a fresh run)
         self.resumed_from = self.carry_note = None
@@ -355,7 +357,7 @@ class SpeedupCallback(TrainerCallback):
     def _compile_opened_after(self) -> int:
         """The step after which ``compile.when: pays_back`` let the blocks compile (-2: not in this run)."""
         outcome = (getattr(self.trainer, "speedup_outcomes", None) or {}).get("compile")
-        return outcome.facts.get("compile_opened_after_step", -2) if outcome is not None else -2
+        return outcome.facts.get(OPENED_AFTER_STEP, -2) if outcome is not None else -2
 
     @_never_breaks_training()
     def on_step_end(self, args, state, control, **kwargs):
