@@ -36,6 +36,7 @@ def main(argv=None) -> None:
 
     from transformers import TrainerCallback, TrainingArguments
 
+    from hf_speedup.callback_handler import all_callbacks
     from hf_speedup import SpeedupTrainer
     from hf_speedup.features.interrupt import InterruptCallback
     from hf_speedup.tiny import causal_lm_collator, char_tokenizer, make_dataset, tiny_llama
@@ -55,7 +56,7 @@ def main(argv=None) -> None:
                              data_collator=causal_lm_collator(tok),
                              speedup={"base": "baseline", "interrupt": {"enabled": True}}, callbacks=[StepClock()])
     trainer.speedup_callback.print_tables = False
-    feature = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, InterruptCallback))
+    feature = next(cb for cb in all_callbacks(trainer) if isinstance(cb, InterruptCallback))
     check_times: list[float] = []
     aligned_times: list[float] = []  # a second all-reduce right after the check: the ranks are aligned then
     inner = feature.on_step_end

@@ -166,6 +166,19 @@ class LigerSettings:
     enabled: Any = False  # auto (CUDA + liger-kernel installed) | true | false
 
 
+@dataclass
+class ReportSettings:
+    """Where the report goes (what it measures does not change): a JSON file, the ``report_to`` trackers, the
+    console. ``baseline`` turns all three off, so the run leaves ``output_dir``, the logs and stdout as the stock
+    Trainer does; the report stays in ``trainer.speedup_report``."""
+
+    # auto: <output_dir>/speedup_report.json (and the counters a resume carries, inside each checkpoint);
+    # a path: the JSON there (a directory: speedup_report.json inside it); null: no file at all
+    path: Any = AUTO
+    trackers: bool = True  # plan and metrics to the report_to trackers (W&B, TensorBoard, ...)
+    console: bool = True  # plan and metrics tables printed by the main process
+
+
 SECTIONS: dict[str, type] = {
     "precision": PrecisionSettings,
     "compile": CompileSettings,
@@ -180,6 +193,7 @@ SECTIONS: dict[str, type] = {
     "loss": LossSettings,
     "profile": ProfileSettings,
     "interrupt": InterruptSettings,
+    "report": ReportSettings,
 }
 
 # field -> (allowed values, example fix). Fields not listed are checked by type only.
@@ -217,7 +231,7 @@ BOOLS = {
     "precision.strict", "compile.fullgraph", "optimizer.strict", "memory.expandable_segments",
     "memory.cpu_reuse_freed", "lora.enabled", "lora.strict", "fsdp.enabled", "fsdp.cpu_offload",
     "fsdp.cpu_ram_efficient_loading", "profile.enabled", "profile.record_shapes", "profile.profile_memory",
-    "profile.with_stack", "profile.memory_snapshot", "attention.strict",
+    "profile.with_stack", "profile.memory_snapshot", "attention.strict", "report.trackers", "report.console",
 }
 OPTIONAL_BOOLS = {"data.pin_memory", "data.persistent_workers", "data.drop_last", "data.packing"}
 
@@ -245,6 +259,7 @@ class SpeedupConfig:
     loss: LossSettings = field(default_factory=LossSettings)
     profile: ProfileSettings = field(default_factory=ProfileSettings)
     interrupt: InterruptSettings = field(default_factory=InterruptSettings)
+    report: ReportSettings = field(default_factory=ReportSettings)
 
     # ----------------------------------------------------------------- validation
     def problems(self) -> list[str]:
@@ -285,6 +300,23 @@ class SpeedupConfig:
                 "interrupt.enabled: false to handle none"
             )
         return out
+
+    def explicit_fields(self) -> frozenset[str]:
+        """The ``section.field`` names the user chose, as opposed to values a preset (or the defaults) filled in: a
+        preset's own choices yield to the user's explicit TrainingArguments, the user's own config fields do not.
+        Recorded by :func:`~hf_speedup.presets.resolve`; a SpeedupConfig built by hand counts every field that
+        differs from the defaults."""
+        recorded = getattr(self, "_explicit", None)
+        if recorded is not None:
+            return recorded
+        default = SpeedupConfig()
+        return frozenset(f"{section}.{f.name}" for section in SECTIONS for f in dataclasses.fields(SECTIONS[section])
+                         if getattr(getattr(self, section), f.name) != getattr(getattr(default, section), f.name))
+
+    def with_explicit_fields(self, names) -> "SpeedupConfig":
+        """This config, recording ``names`` as the fields the user chose (see :meth:`explicit_fields`)."""
+        self._explicit = frozenset(names)
+        return self
 
     def validate(self) -> "SpeedupConfig":
         problems = self.problems()
@@ -332,7 +364,7 @@ class SpeedupConfig:
             problems.extend(cfg.problems())
         if problems:
             raise SpeedupConfigError(problems)
-        return cfg
+        return cfg.with_explicit_fields(dotted_keys(data))
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         import yaml
@@ -350,7 +382,13 @@ class SpeedupConfig:
                 data[key].update(value)
             else:
                 data[key] = value
-        return SpeedupConfig.from_dict(data)
+        return SpeedupConfig.from_dict(data).with_explicit_fields(self.explicit_fields() | dotted_keys(sections))
+
+
+def dotted_keys(data: dict) -> frozenset[str]:
+    """``section.field`` for every field a config mapping sets."""
+    return frozenset(f"{section}.{name}" for section, fields in data.items()
+                     if section in SECTIONS and isinstance(fields, dict) for name in fields)
 
 
 def _unknown(key: str, allowed: list[str]) -> str:
@@ -394,7 +432,18 @@ def budget_problem(value: Any) -> str | None:
             "fix: e.g. memory.budget: 24GB")
 
 
+def report_path_problem(value: Any) -> str | None:
+    """Why ``report.path`` is not allowed (None when it is)."""
+    if value is None or value == AUTO or (isinstance(value, (str, Path)) and str(value).strip()):
+        return None
+    return (f"report.path = {value!r} is not allowed; allowed: 'auto' (<output_dir>/speedup_report.json), null (no "
+            "file) or a file or directory path; fix: e.g. report.path: runs/speedup_report.json")
+
+
 def _check_field(key: str, value: Any) -> list[str]:
+    if key == "report.path":
+        problem = report_path_problem(value)
+        return [problem] if problem else []
     if key == "memory.budget":
         problem = budget_problem(value)
         return [problem] if problem else []

@@ -133,13 +133,12 @@ def _collator_kind(collator, processing_class) -> str:
     return "other"
 
 
-def dataset_problems(dataset, args, *, collator=None, processing_class=None, flattens: bool = False,
-                     plan_drop_last: bool | None = None) -> list[str]:
+def dataset_problems(dataset, args, *, collator=None, processing_class=None, flattens: bool = False) -> list[str]:
     """Problems of the training set that would fail at batch 1 or make a run learn nothing.
 
     ``collator`` is the collator the Trainer will use (None: its own default for ``processing_class``);
-    ``flattens``: the plan makes padding-free rows (ragged rows are fine then); ``plan_drop_last``: the
-    plan's own drop_last (the data feature withdraws that one itself where it would be wrong).
+    ``flattens``: the plan makes padding-free rows (ragged rows are fine then). The plan's own drop_last is not
+    in ``args`` (the data feature withdraws that one itself where it would be wrong).
     """
     if dataset is None:
         return []
@@ -154,7 +153,7 @@ def dataset_problems(dataset, args, *, collator=None, processing_class=None, fla
     import torch
 
     sized = rows is not None and not isinstance(dataset, torch.utils.data.IterableDataset)
-    if plan_drop_last is None and getattr(args, "dataloader_drop_last", False) and sized:
+    if getattr(args, "dataloader_drop_last", False) and sized:
         why = drop_last_problem(dataset, args)  # the user's own drop_last: an error (the plan's is withdrawn)
         if why is not None:
             problems.append(f"TrainingArguments.dataloader_drop_last = True: {why}; allowed: at least "

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from .config import SpeedupConfig, SpeedupConfigError
+from .config import SpeedupConfig, SpeedupConfigError, dotted_keys
 
 
 # name -> (one-line description with its trade-off, nested overrides of the SpeedupConfig defaults)
@@ -16,7 +16,9 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         "Nothing changed: exactly the stock Trainer with your TrainingArguments. The reference for parity and speed.",
         {"precision": {"dtype": "keep", "tf32": "keep"}, "optimizer": {"name": "keep"},
          "interrupt": {"enabled": False},  # signals keep their default action, as with the stock Trainer
-         "attention": {"implementation": "keep"}},
+         "attention": {"implementation": "keep"},
+         # output_dir, the logs and stdout as the stock Trainer leaves them: the report stays in memory
+         "report": {"path": None, "trackers": False, "console": False}},
     ),
     "auto": (
         "Safe wins for this machine: native bf16 where it is fast, TF32, fused AdamW, regional compile on GPUs, "
@@ -109,7 +111,7 @@ def get_preset(name: str) -> SpeedupConfig:
             "to a .yaml file; fix: e.g. speedup='auto'"
         ])
     desc, overrides = _PRESETS[name]
-    return SpeedupConfig.from_dict({"name": name, "description": desc, **overrides})
+    return SpeedupConfig.from_dict({"name": name, "description": desc, **overrides}).with_explicit_fields(())
 
 
 def load_config(path: str | Path) -> SpeedupConfig:
@@ -148,7 +150,7 @@ def from_dict(data: dict, source: str | None = None) -> SpeedupConfig:
         else:
             merged[key] = value
     merged["name"] = data.get("name", f"{base}+custom")
-    return SpeedupConfig.from_dict(merged)
+    return SpeedupConfig.from_dict(merged).with_explicit_fields(dotted_keys(data))  # the preset's own: not explicit
 
 
 def resolve(speedup: Any) -> SpeedupConfig:

@@ -65,6 +65,10 @@ def _stock_args(args_cls, preset: Any, kwargs: dict):
             logger.warning("hf_speedup: preset %r: %s=%r needs SpeedupTrainer's train() and cannot be expressed in "
                            "%s: dropped here (the stock Trainer keeps the default signal actions)", name,
                            feature.NAME, decision.applied, args_cls.__name__)
+    if plan["data"].settings.train_drop_last:
+        logger.warning("hf_speedup: preset %r: data.drop_last (the last partial training batch) cannot be expressed in "
+                       "%s, whose dataloader_drop_last drops evaluation and prediction rows too: dropped here (it "
+                       "only spares a recompile of SpeedupTrainer's regional compile)", name, args_cls.__name__)
     if plan["data"].settings.padding_free_via == "collator":
         logger.warning("hf_speedup: preset %r: data.padding_free (padding-free rows) replaces the collator and cannot "
                        "be expressed in %s: the stock Trainer keeps padding; use SpeedupTrainer (or, with TRL, "

@@ -17,9 +17,12 @@ from typing import Any
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
+from .callback_handler import SpeedupCallbackHandler
 from .compat import replace_args
 from .credentials import redacted_overrides
 from .features import FEATURES, Setup
+from .features import data as data_feature
+from .features.explicit_args import overridden_choices
 from .features.fsdp.trainer_hooks import FsdpTrainerMixin
 from .gguf import clear_stale_gguf_quantizer
 from . import inputs
@@ -71,16 +74,20 @@ class SpeedupMixin(FsdpTrainerMixin):
         inputs.check(inputs.dataset_problems(
             bound.arguments.get("train_dataset"), training_args, collator=bound.arguments.get("data_collator"),
             processing_class=bound.arguments.get("processing_class"),
-            flattens=bool(data_plan.padding_free or data_plan.rows_flattened),
-            plan_drop_last=data_plan.loader.get("drop_last")))
-        setup = Setup(model=model, args=training_args, data_collator=bound.arguments.get("data_collator"),
+            flattens=bool(data_plan.padding_free or data_plan.rows_flattened)))
+        users_collator = bound.arguments.get("data_collator")
+        setup = Setup(model=model, args=training_args, data_collator=users_collator,
                       processing_class=bound.arguments.get("processing_class"),
                       trainer_builds_collator=_builds_own_collator(type(self)),
                       train_dataset=bound.arguments.get("train_dataset"))
         self._speedup_inputs = (training_args, bound.arguments.get("data_collator"))  # for model_init's next models
         overrides: dict = {}
+        problems: list[str] = []
         for feature in FEATURES:
-            overrides.update(feature.training_args(self.speedup_plan[feature.NAME], training_args))
+            wanted = feature.training_args(self.speedup_plan[feature.NAME], training_args)
+            problems += overridden_choices(training_args, wanted, feature.NAME, config.name)
+            overrides.update(wanted)
+        inputs.check(problems)  # your explicit TrainingArguments win, or the run stops here, before any model change
         overrides.update(redacted_overrides(training_args))  # hub_token & co. pickle as None (training_args.bin)
         overrides.update(peft_overrides)
         for feature in FEATURES:
@@ -97,20 +104,26 @@ class SpeedupMixin(FsdpTrainerMixin):
             bound.arguments["data_collator"] = setup.data_collator
         adapters_before = set(getattr(setup.model, "peft_config", None) or ())
         super().__init__(*bound.args, **bound.kwargs)
+        # evaluation and prediction batch as the user's setup would: every row, as the stock Trainer shows it
+        self.speedup_eval_collator = data_feature.evaluation_collator(self, users_collator, setup.data_collator,
+                                                                      training_args)
         if wrapped_here and (note := _drop_reference_adapter(self.model, adapters_before)):
             self.speedup_outcomes["lora"].notes.append(note)
         self.speedup_report = Report(self.speedup_plan, self.speedup_outcomes)
+        # Our callbacks run after the listed ones but stay off ``callback_handler.callbacks``: the list reads as
+        # the stock Trainer's (``all_callbacks(trainer)`` has both).
+        self.callback_handler = SpeedupCallbackHandler.adopt(self.callback_handler)
         # Features that act during training (e.g. ``profile``) bring callbacks; before the collector's, so
         # what they record at train end is in the report it writes.
         for feature in FEATURES:
             make = getattr(feature, "callbacks", None)
             for callback in (make(self.speedup_plan[feature.NAME], self, self.speedup_outcomes[feature.NAME])
                              if make else ()):
-                self.add_callback(callback)
+                self.callback_handler.add_own(callback)
         # Measures and reports the run; ``training_step``/``log`` below feed it. Set it to None (and
         # ``remove_callback`` it) to train without reporting.
         self.speedup_callback = SpeedupCallback(self)
-        self.add_callback(self.speedup_callback)
+        self.callback_handler.add_own(self.speedup_callback)
         self.verify_speedup()
 
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
@@ -130,6 +143,22 @@ class SpeedupMixin(FsdpTrainerMixin):
                     around.enter_context(enter(self.speedup_plan[name], self, self.speedup_outcomes[name]))
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Stock evaluation loader, batched by the user's collator (see ``data.evaluation_collator``)."""
+        with data_feature.evaluation_loader(self):
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        """Stock prediction loader, batched by the user's collator (see ``data.evaluation_collator``)."""
+        with data_feature.evaluation_loader(self):
+            return super().get_test_dataloader(test_dataset)
+
+    def get_train_dataloader(self):
+        """Stock training loader; where the plan drops the last partial batch (static-shape compile), this loader
+        alone does: ``args.dataloader_drop_last`` stays the user's, so evaluation and prediction see every row."""
+        with data_feature.training_loader(self):
+            return super().get_train_dataloader()
+
     # ---- report hooks: the stock loop is unchanged, these only observe it --------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Stock step; the report counts the micro-batch's non-padding tokens first (on the device, no sync)."""
@@ -139,10 +168,13 @@ class SpeedupMixin(FsdpTrainerMixin):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Stock log; training logs gain ``hf_speedup/*`` metrics, so every ``report_to`` tracker gets them."""
+        """Stock log; the ``report_to`` trackers also get the ``hf_speedup/*`` metrics of a training log, while
+        ``state.log_history`` and every other callback get the stock logs."""
         callback = getattr(self, "speedup_callback", None)
         if callback is not None:
-            logs = callback.augment_logs(logs)
+            ours = callback.metrics_for_log(logs)
+            if ours and isinstance(self.callback_handler, SpeedupCallbackHandler):
+                self.callback_handler.tracker_logs = ours
         super().log(logs, start_time)
 
     def verify_speedup(self) -> None:

@@ -74,6 +74,12 @@ CPU_NO_BF16 = dict(device_type="cpu", device_name="AMD EPYC", bf16=False, bitsan
 CPU_AMX = dict(device_type="cpu", device_name="Intel Xeon (Sapphire Rapids)", bf16=True, bitsandbytes=False, compile=True)
 
 
+# baseline's numerics with the report written, sent to the trackers and printed (baseline itself keeps output_dir,
+# the trackers and stdout as the stock Trainer leaves them)
+REPORTED_BASELINE = {"base": "baseline", "name": "baseline",
+                     "report": {"path": "auto", "trackers": True, "console": True}}
+
+
 # Both CPU decision paths on whichever CPU runs the suite: `auto` picks bf16 autocast on a CPU with AMX
 # and fp32 elsewhere. bf16 autocast runs on every x86 CPU (slowly without AMX), so both paths really train.
 CPU_KINDS = {"cpu-fp32": False, "cpu-amx": True}

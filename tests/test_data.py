@@ -8,6 +8,7 @@ from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 from hf_speedup import SpeedupTrainer, build_plan, get_preset
 from hf_speedup.compat import replace_args
 from hf_speedup.features import data
+from hf_speedup.plan_types import Outcome
 
 
 def plan_for(caps: dict, args=None, **data_settings):
@@ -167,18 +168,27 @@ def test_drop_last_removes_the_odd_sized_last_batch(tokenizer, collator, make_ar
 
     assert batch_sizes("baseline")[1] == [4, 4, 2]
     trainer, sizes = batch_sizes(get_preset("baseline").replace(data={"drop_last": True}))
-    assert sizes == [4, 4] and trainer.args.dataloader_drop_last is True
+    # the training loader drops it; the arguments, which the evaluation and prediction loaders read, do not
+    assert sizes == [4, 4] and trainer.args.dataloader_drop_last is False
+    assert [b["input_ids"].shape[0] for b in trainer.get_eval_dataloader(rows)] == [8, 2]
     d = trainer.speedup_status["data"]
-    assert d.applied == "drop_last=True" and d.reason.startswith("drop each epoch's last partial batch")
+    assert d.applied == "train_drop_last" and d.reason.startswith("drop each epoch's last partial training batch")
+    trainer.callback_handler.train_dataloader = trainer.get_train_dataloader()  # as train() registers it
     assert data.verify(trainer.speedup_plan["data"], trainer, trainer.speedup_outcomes["data"]) == (
-        True, "args.dataloader_drop_last=True")
+        True, "training loader drop_last=True; args.dataloader_drop_last=False for evaluation and prediction")
 
 
-def test_fast_preset_drops_the_last_batch_and_baseline_keeps_the_users_choice(make_args):
+def test_fast_preset_drops_only_the_last_training_batch_and_only_under_static_shape_compile(make_args):
     fast = build_plan("fast", caps=fake_caps(**CPU_NO_BF16), args=make_args())["data"]
-    assert data.training_args(fast, None)["dataloader_drop_last"] is True
+    assert fast.settings.train_drop_last and "dataloader_drop_last" not in data.training_args(fast, None)
     base = build_plan("baseline", caps=fake_caps(**CPU_NO_BF16), args=make_args(dataloader_drop_last=True))["data"]
-    assert "dataloader_drop_last" not in data.training_args(base, None)
+    assert not base.settings.train_drop_last and "dataloader_drop_last" not in data.training_args(base, None)
+    # fast without its compile (no toolchain here, say): the preset's drop_last is withdrawn, with the reason
+    plan = build_plan("fast", caps=fake_caps(**{**CPU_NO_BF16, "compile": False}), args=make_args())
+    outcome = Outcome()
+    assert data.train_drop_last(plan, outcome) is False
+    assert outcome.fallbacks == ["drop_last=True: nothing compiles with static shapes in this run (compile is off), "
+                                 "so a partial last batch costs no recompile; the last partial batch is kept"]
 
 
 # ------------------------------------------------------------------------------------------ TRL arguments
@@ -213,7 +223,7 @@ def test_dpo_config_is_not_asked_for_padding_free_its_trainer_switches_off(tmp_p
     assert not d.settings.padding_free and d.settings.padding_free_via is None
     assert "DPOConfig.padding_free is not honoured by its trainer" in d.reason
     assert trainer.args.padding_free is False and trainer.padding_free is False
-    assert trainer.data_collator.pad_to_multiple_of == 64 and trainer.args.dataloader_drop_last is True
+    assert trainer.data_collator.pad_to_multiple_of == 64 and trainer.args.dataloader_drop_last is False
     assert d.engaged is True, d.engaged_reason
     assert trainer.model.config._attn_implementation != "sdpa_varlen"  # nothing packed to keep apart
     explicit = build_plan(get_preset("baseline").replace(data={"padding_free": True}), caps=fake_caps(**CPU_NO_BF16),

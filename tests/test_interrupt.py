@@ -17,18 +17,21 @@ import pytest
 from transformers import TrainerCallback
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
+from hf_speedup.callback_handler import all_callbacks
 from hf_speedup import SpeedupConfigError, SpeedupTrainer, build_plan, get_preset, list_presets
 from hf_speedup.features import interrupt
 from hf_speedup.features.interrupt import InterruptCallback, TrainingInterrupted
 from hf_speedup.report.carry import STATE_FILE
 from hf_speedup.tiny import tiny_llama
 
+from conftest import REPORTED_BASELINE
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "dist" / "interrupt_train.py"
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 HANDLED = ("SIGTERM", "SIGINT", "SIGUSR1")
 # the feature alone on the stock Trainer's setup (fast, and independent of what other features do to a step)
-INTERRUPT_ONLY = {"base": "baseline", "interrupt": {"enabled": "auto"}}
+INTERRUPT_ONLY = {**REPORTED_BASELINE, "name": "interrupt-only", "interrupt": {"enabled": "auto"}}
 
 
 class _Raise(TrainerCallback):
@@ -126,7 +129,7 @@ def test_sigterm_without_any_checkpoint_saves_the_step_and_resume_is_bitwise(
     assert _losses(trainer) == {s: l for s, l in _losses(reference).items() if s <= 2}
 
     # while training, the live handlers were the feature's; afterwards the previous ones are back
-    handler = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, InterruptCallback))._handler
+    handler = next(cb for cb in all_callbacks(trainer) if isinstance(cb, InterruptCallback))._handler
     assert probe.during == {n: handler for n in HANDLED}
     assert probe.verified == (True, "callback registered; handlers in place for SIGTERM, SIGINT, SIGUSR1")
     assert {n: signal.getsignal(getattr(signal, n)) for n in HANDLED} == own_handlers
@@ -208,7 +211,7 @@ def test_an_ignored_signal_stays_ignored_and_a_yaml_choice_of_signals_holds(make
     cfg = {**INTERRUPT_ONLY, "interrupt": {"enabled": True, "signals": ["SIGTERM", "SIGINT"]}}
     trainer = _trainer(make_args, dataset, collator, tmp_path, max_steps=2, speedup=cfg, callbacks=[probe])
     trainer.train()  # no signal: an ordinary run
-    handler = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, InterruptCallback))._handler
+    handler = next(cb for cb in all_callbacks(trainer) if isinstance(cb, InterruptCallback))._handler
     assert probe.during == {"SIGTERM": handler, "SIGINT": signal.SIG_IGN, "SIGUSR1": own_handlers["SIGUSR1"]}
     state = trainer.speedup_status["interrupt"]
     assert state.engaged is True and state.facts["installed"] == ["SIGTERM"]

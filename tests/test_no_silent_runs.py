@@ -214,12 +214,11 @@ def test_explicit_drop_last_false_from_training_arguments_is_kept(tmp_path, data
             in state.reason)
 
 
-def test_a_default_valued_drop_last_is_replaced_and_the_reason_says_how_to_keep_it(make_args, dataset, collator):
+def test_the_presets_drop_last_never_reaches_the_arguments_evaluation_reads(make_args, dataset, collator):
     trainer = SpeedupTrainer(model=small_llama(), args=make_args(max_steps=1, dataloader_drop_last=False),
                              train_dataset=dataset, data_collator=collator, speedup=_fast_no_compile())
-    assert trainer.args.dataloader_drop_last is True
-    assert ("(replaces TrainingArguments.dataloader_drop_last=False, its default, which cannot be told apart from "
-            "not set; to keep it set data.drop_last: false in the config)") in trainer.speedup_status["data"].reason
+    assert trainer.args.dataloader_drop_last is False  # the evaluation and prediction loaders read this one
+    assert trainer.speedup_status["data"].reason.count("drop each epoch's last partial training batch") == 1
 
 
 def test_explicit_pin_memory_false_wins_over_the_preset_on_cuda(make_args):
@@ -232,13 +231,15 @@ def test_explicit_pin_memory_false_wins_over_the_preset_on_cuda(make_args):
 # ------------------------------------------------------------------------------------- stock presets
 def test_training_arguments_says_what_it_drops(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="hf_speedup"):
-        args = training_arguments("fast", output_dir=str(tmp_path), use_cpu=True, dataloader_drop_last=False)
+        args = training_arguments("fast", output_dir=str(tmp_path), use_cpu=True)
     assert args.torch_compile is False and args.dataloader_drop_last is False
     assert ("preset 'fast': compile=True changes the model itself and cannot be expressed in TrainingArguments: "
             "dropped here; use SpeedupTrainer") in caplog.text
-    assert "kept your dataloader_drop_last=False over the True of preset 'fast'" in caplog.text
+    assert ("preset 'fast': data.drop_last (the last partial training batch) cannot be expressed in "
+            "TrainingArguments, whose dataloader_drop_last drops evaluation and prediction rows too: dropped here"
+            ) in caplog.text
     assert "data.padding_free (padding-free rows) replaces the collator and cannot be expressed" in caplog.text
-    assert set(getattr(args, data.EXPLICIT_ARGS_ATTR)) == {"output_dir", "use_cpu", "dataloader_drop_last"}
+    assert set(getattr(args, data.EXPLICIT_ARGS_ATTR)) == {"output_dir", "use_cpu"}
 
 
 # ------------------------------------------------------------------------------------- launcher precision

@@ -59,14 +59,36 @@ def test_keep_and_non_adamw_user_choices_are_left_alone(make_args):
     assert optim.training_args(plan_for(CUDA_H100, "keep", args=make_args(optim="adamw_torch")), None) == {}
     kept = plan_for(CUDA_H100, "auto", args=make_args(optim="adafactor"))
     assert kept.applied == "adafactor" and optim.training_args(kept, None) == {}
-    assert "auto keeps TrainingArguments' optim='adafactor'" in kept.reason
+    assert "kept your TrainingArguments.optim='adafactor' over auto's choice" in kept.reason
 
 
-def test_auto_keeps_an_8bit_choice_from_the_args_and_explicit_names_override_the_args(make_args):
-    from_args = plan_for(CUDA_H100, "auto", args=make_args(optim="paged_adamw_8bit"))
-    assert from_args.applied == "paged_adamw_8bit"
-    explicit = plan_for(CUDA_H100, "adamw", args=make_args(optim="adamw_torch_fused"))
-    assert explicit.settings.optim == "adamw_torch" and "overrides TrainingArguments' optim" in explicit.reason
+@pytest.mark.parametrize("preset", ["auto", "fast", "memory", "qlora", "lora"])
+@pytest.mark.parametrize("users", ["adamw_8bit", "rmsprop_bnb_8bit", "adamw_torch", "adafactor"])
+def test_an_optim_set_in_trainingarguments_wins_over_every_preset(preset, users, make_args):
+    for caps in (CUDA_H100, CPU_NO_BF16):
+        d = build_plan(preset, caps=fake_caps(**caps), args=make_args(optim=users))["optimizer"]
+        assert d.settings.keep and optim.training_args(d, None) == {} and d.fallbacks == ()
+        assert f"kept your TrainingArguments.optim={users!r}" in d.reason
+
+
+def test_an_optim_in_trainingarguments_and_another_in_your_own_config_is_refused_up_front(make_args):
+    with pytest.raises(SpeedupConfigError, match=r"optimizer\.name = 'adamw' \(your config\) and TrainingArguments"
+                                                 r"\.optim = 'adamw_8bit' ask for different optimizers; allowed: one "
+                                                 r"choice; fix: drop optim from TrainingArguments, or set "
+                                                 r"optimizer\.name: keep"):
+        plan_for(CUDA_H100, "adamw", args=make_args(optim="adamw_8bit"))
+    same = plan_for(CUDA_H100, "adamw_8bit", args=make_args(optim="adamw_bnb_8bit"))  # one optimizer, two spellings
+    assert same.settings.keep
+    # the arguments' default optim reads as not set: the config's choice applies
+    assert plan_for(CUDA_H100, "adamw", args=make_args(optim="adamw_torch_fused")).settings.optim == "adamw_torch"
+
+
+def test_a_bitsandbytes_optim_in_trainingarguments_under_fsdp2_is_refused_up_front(make_args):
+    with pytest.raises(SpeedupConfigError, match=r"TrainingArguments\.optim = 'adamw_8bit' cannot run under FSDP2: "
+                                                 r"bitsandbytes' 8-bit optimizer state does not take FSDP2's sharded "
+                                                 r".*fix: drop optim from TrainingArguments"):
+        build_plan("fsdp", caps=fake_caps(**dict(CUDA_H100, world_size=2)),
+                   args=make_args(optim="adamw_8bit"))
 
 
 def test_multi_process_decides_the_same():
@@ -110,7 +132,7 @@ def _trainer(cfg, tiny_model, dataset, collator, make_args, **args_kw):
 
 def test_fused_adamw_really_is_fused_after_training(tiny_model, dataset, collator, make_args):
     cfg = get_preset("baseline").replace(optimizer={"name": "adamw_fused"})
-    trainer = _trainer(cfg, tiny_model, dataset, collator, make_args, optim="adamw_torch")
+    trainer = _trainer(cfg, tiny_model, dataset, collator, make_args)
     d = trainer.speedup_status["optimizer"]
     assert d.engaged is False and "not created yet" in d.engaged_reason  # verified at init: no optimizer yet
     trainer.train()

@@ -13,6 +13,8 @@ from hf_speedup import SpeedupConfig, SpeedupConfigError, build_plan
 from hf_speedup.features import profile
 from hf_speedup.features.profile import ProfilerCallback, Settings, label_module, labelled_modules
 
+from conftest import REPORTED_BASELINE
+
 LABELS = ["hf_speedup/block.0", "hf_speedup/block.1", "hf_speedup/block.2", "hf_speedup/block.3",
           "hf_speedup/loss", "hf_speedup/optimizer_step"]
 
@@ -25,7 +27,7 @@ def trace_files(output_dir) -> list[Path]:
 def profiled_trainer(make_args, tiny_model, dataset, collator, max_steps=5, **window):
     from hf_speedup import SpeedupTrainer
 
-    config = {"base": "baseline", "profile": {"enabled": True, "wait": 1, "warmup": 1, "active": 2, **window}}
+    config = {**REPORTED_BASELINE, "profile": {"enabled": True, "wait": 1, "warmup": 1, "active": 2, **window}}
     return SpeedupTrainer(model=tiny_model, args=make_args(max_steps=max_steps), train_dataset=dataset,
                           data_collator=collator, speedup=config)
 

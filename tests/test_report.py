@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from hf_speedup import SpeedupTrainer
 from hf_speedup.report.schema import PREFIX, SUMMARY_METRICS
 from hf_speedup.features import FEATURES
 from hf_speedup.peak_flops import OVERRIDE_ENV
 from hf_speedup.report import REPORT_FILE
+
+from conftest import REPORTED_BASELINE
 
 DESIGN_FEATURES = {"precision", "compile", "optimizer", "checkpointing", "empty_cache", "lora", "fsdp"}
 
@@ -37,17 +40,36 @@ class RecordingCollator:
         return batch
 
 
-def _train(tiny_model, dataset, collator, make_args, **kw):
+def _train(tiny_model, dataset, collator, make_args, callbacks=None, **kw):
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(**kw), train_dataset=dataset, data_collator=collator,
-                             speedup="baseline")
+                             speedup=REPORTED_BASELINE, callbacks=callbacks)
     trainer.train()
     return trainer
 
 
-def test_report_of_a_training_run(tiny_model, dataset, collator, make_args, capsys, monkeypatch):
+class TrackerLogs(TrainerCallback):
+    """A stand-in ``report_to`` tracker: keeps every log its ``on_log`` is given."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+@pytest.fixture
+def tracker(monkeypatch):
+    """A TrackerLogs registered as the trainers' tracker (as transformers' W&B or TensorBoard callbacks are)."""
+    import hf_speedup.callback_handler as handler
+
+    monkeypatch.setattr(handler, "tracker_classes", lambda: (TrackerLogs,))
+    return TrackerLogs()
+
+
+def test_report_of_a_training_run(tiny_model, dataset, collator, make_args, capsys, monkeypatch, tracker):
     monkeypatch.delenv(OVERRIDE_ENV, raising=False)
     rec = RecordingCollator(collator)
-    trainer = _train(tiny_model, dataset, rec, make_args, max_steps=4, logging_steps=2)
+    trainer = _train(tiny_model, dataset, rec, make_args, max_steps=4, logging_steps=2, callbacks=[tracker])
     report = trainer.speedup_report.to_dict()
 
     # the same report is on disk and JSON-serialisable
@@ -106,17 +128,21 @@ def test_report_of_a_training_run(tiny_model, dataset, collator, make_args, caps
         steady = [times[n] for n in window if n not in warm]
         assert h["step_time_s"] == (pytest.approx(statistics.median(steady), abs=1e-5) if steady else None)  # series: 6 digits
 
-    # every logging step went through Trainer.log (so to every tracker), the summary at the end
-    step_logs = [h for h in trainer.state.log_history if "loss" in h]
+    # every logging step's metrics went to the trackers beside the Trainer's log, the summary at the end
+    step_logs = [h for h in tracker.logs if "loss" in h]
     assert len(step_logs) == 2
     for h in step_logs:
         for key in ("tokens_per_second", "samples_per_second", "step_time_s", "peak_memory_allocated_bytes",
                     "recompiles"):
             assert PREFIX + key in h
         assert PREFIX + "mfu" not in h  # null values are not sent to trackers
-    final = next(h for h in trainer.state.log_history if "train_runtime" in h)
+    final = next(h for h in tracker.logs if "train_runtime" in h)
     assert final[PREFIX + "tokens_per_second"] == m["tokens_per_second"]
     assert final[PREFIX + "total_parameters"] == 213_568
+    # ... and not to state.log_history (trainer_state.json), which holds the stock Trainer's logs only
+    assert not any(k.startswith(PREFIX) for h in trainer.state.log_history for k in h)
+    assert [{k: v for k, v in h.items() if not k.startswith(PREFIX)} for h in tracker.logs] == [
+        {k: v for k, v in h.items() if k != "step"} for h in trainer.state.log_history]
 
     # console: plan table at the start, metrics table at the end, all within 80 columns
     out = capsys.readouterr().out
@@ -129,14 +155,14 @@ def test_report_of_a_training_run(tiny_model, dataset, collator, make_args, caps
         assert len(line) <= 80, line
 
 
-def test_mfu_with_a_peak_override(tiny_model, dataset, collator, make_args, monkeypatch):
+def test_mfu_with_a_peak_override(tiny_model, dataset, collator, make_args, monkeypatch, tracker):
     monkeypatch.setenv(OVERRIDE_ENV, "2e12")
-    trainer = _train(tiny_model, dataset, collator, make_args, max_steps=3, logging_steps=1)
+    trainer = _train(tiny_model, dataset, collator, make_args, max_steps=3, logging_steps=1, callbacks=[tracker])
     m, x = trainer.speedup_report.to_dict()["metrics"], trainer.speedup_report.measurement
     assert x["peak_flops_per_device"] == 2e12 and x["peak_flops_source"] == "override"
     assert m["mfu"] == pytest.approx(x["flops_per_token"] * m["tokens_per_second"] / 2e12)
     assert 0 < m["mfu"] < 1
-    logs = [h for h in trainer.state.log_history if "loss" in h]
+    logs = [h for h in tracker.logs if "loss" in h]
     # step 1 compiled (warm-up): no steady-state figure for its window, the whole-run one is there
     assert PREFIX + "mfu" not in logs[0] and logs[0][PREFIX + "whole_run_tokens_per_second"] > 0
     logged = [h[PREFIX + "mfu"] for h in logs[1:]]
@@ -258,7 +284,8 @@ _WORKER = textwrap.dedent('''
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, max_steps=3, logging_steps=1,
                              report_to=[], use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0,
                              disable_tqdm=True)
-    trainer = SpeedupTrainer(model=model, args=args, train_dataset=ds, data_collator=collate, speedup="baseline")
+    trainer = SpeedupTrainer(model=model, args=args, train_dataset=ds, data_collator=collate,
+                             speedup={"base": "baseline", "report": {"path": "auto"}})
     trainer.train()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
         json.dump({"batches": batches, "world": trainer.accelerator.num_processes,

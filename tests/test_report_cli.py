@@ -12,6 +12,8 @@ from hf_speedup.report.console import compare_table, fmt_num, metrics_table, pla
 from hf_speedup.report import REPORT_FILE, load_report
 from hf_speedup.report.cli import compare_reports, format_report, plot_report, print_report
 
+from conftest import REPORTED_BASELINE
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
@@ -27,7 +29,7 @@ def run_dir(tmp_path_factory):
                              report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True)
     model = tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
     SpeedupTrainer(model=model, args=args, train_dataset=make_dataset(tok, n=256, pack_to=64),
-                   data_collator=causal_lm_collator(tok), speedup="baseline").train()
+                   data_collator=causal_lm_collator(tok), speedup=REPORTED_BASELINE).train()
     return out
 
 

@@ -11,6 +11,8 @@ from hf_speedup import SpeedupTrainer
 from hf_speedup.report.schema import PREFIX, SUMMARY_METRICS
 from hf_speedup.report import REPORT_FILE
 
+from conftest import REPORTED_BASELINE
+
 pytest.importorskip("tensorboard")
 
 
@@ -20,7 +22,7 @@ def test_tensorboard_event_files_hold_the_metrics(tiny_model, dataset, collator,
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
     monkeypatch.setenv("HF_SPEEDUP_PEAK_FLOPS", "1e12")  # so that MFU is a number on this CPU too
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(report_to=["tensorboard"], max_steps=4, logging_steps=2),
-                             train_dataset=dataset, data_collator=collator, speedup="baseline")
+                             train_dataset=dataset, data_collator=collator, speedup=REPORTED_BASELINE)
     trainer.train()
     out = Path(trainer.args.output_dir)
     event_files = list(out.rglob("events.out.tfevents.*"))

@@ -14,6 +14,8 @@ from hf_speedup import SpeedupTrainer
 from hf_speedup.report.schema import PREFIX, STEP_METRICS, SUMMARY_METRICS
 from hf_speedup.report import REPORT_FILE
 
+from conftest import REPORTED_BASELINE
+
 wandb = pytest.importorskip("wandb")
 
 
@@ -63,7 +65,7 @@ def offline_wandb(tmp_path, monkeypatch):
 def test_wandb_run_has_plan_config_and_metric_summary(offline_wandb, tiny_model, dataset, collator, make_args):
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(report_to=["wandb"], max_steps=4, logging_steps=2,
                                                                run_name="report-test"),
-                             train_dataset=dataset, data_collator=collator, speedup="baseline")
+                             train_dataset=dataset, data_collator=collator, speedup=REPORTED_BASELINE)
     trainer.train()
     wandb.finish()
 
@@ -106,7 +108,7 @@ def test_no_wandb_run_no_wandb_calls(tiny_model, dataset, collator, make_args, t
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     assert wandb.run is None
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=2), train_dataset=dataset,
-                             data_collator=collator, speedup="baseline")
+                             data_collator=collator, speedup=REPORTED_BASELINE)
     trainer.train()
     assert wandb.run is None and not (tmp_path / "wandb").exists()
     assert (Path(trainer.args.output_dir) / REPORT_FILE).is_file()

@@ -25,7 +25,9 @@ import torch
 
 from .. import compat
 from ..blocks import find_blocks
+from ..config import SpeedupConfigError
 from ..plan_types import OFF, Decision, Outcome, PlanContext
+from .explicit_args import users_choice
 from .checkpointing_mechanism import block_checkpoint_fn, disable_kv_cache, enable_block_checkpointing, is_non_reentrant
 from .probe import eager_train_mode
 
@@ -83,6 +85,17 @@ def decide(ctx: PlanContext) -> Decision:
         return Decision(NAME, requested, "by fsdp", settings=Settings(by="fsdp", override_args=user_on),
                         reason="FSDP wraps the blocks with its own activation checkpointing (fsdp decision); "
                                "done once, there, not here")
+    flag, _ = compat.checkpointing_arg_names(type(ctx.args)) if ctx.args is not None else (None, None)
+    explicit, value = users_choice(ctx.args, flag) if flag else (False, None)
+    if explicit and value is False and s.enabled is True and "checkpointing.enabled" in ctx.config.explicit_fields():
+        raise SpeedupConfigError([
+            f"checkpointing.enabled = true (your config) and TrainingArguments.{flag} = False ask for opposite "
+            f"things; allowed: one choice; fix: drop {flag} from TrainingArguments, or set checkpointing.enabled: "
+            "false"])
+    if explicit and value is False and s.enabled is not False:
+        return Decision(NAME, requested, OFF, settings=Settings(),
+                        reason=f"kept your TrainingArguments.{flag}=False over the preset's checkpointing (an "
+                               "explicit TrainingArguments choice wins over a preset)")
     if s.enabled is False:
         if user_on:
             return Decision(NAME, requested, "by trainer", settings=Settings(by="trainer"),

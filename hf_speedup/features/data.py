@@ -36,6 +36,7 @@ trainer's ``data_collator`` and ``args``; parts that could not apply are listed 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from typing import Any, Mapping
 from .. import compat
 from ..plan_types import Decision, Outcome, PlanContext
 from . import padding_free as pf
+from .explicit_args import EXPLICIT_ARGS_ATTR, users_choice  # noqa: F401  (EXPLICIT_ARGS_ATTR: re-exported)
 
 NAME = "data"
 logger = logging.getLogger("hf_speedup")
@@ -66,6 +68,9 @@ class Settings:
     padding_free_via: str | None = None  # "collator" (ours) | "trainer" (its own padding_free argument)
     packing: bool | None = None  # TRL's SFTConfig.packing, where the trainer's arguments have it
     rows_flattened: bool = False  # batches arrive as flattened rows, by our collator or the trainer's arguments
+    # the training loader (only) drops each epoch's last partial batch, where static-shape compile runs (the
+    # evaluation and prediction loaders keep every row: TrainingArguments.dataloader_drop_last stays the user's)
+    train_drop_last: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loader", MappingProxyType(dict(self.loader)))
@@ -113,12 +118,14 @@ def _loader(s, caps, args, flattened: bool = False, packed: str | None = None) -
         reasons.append("drop_last not applied: padding-free rows are one row of a new length every batch (compiled "
                        "with a dynamic sequence dimension), so a partial last batch costs no recompile and no sample "
                        "is skipped")
-    elif s.drop_last is not None and not _kept_users_choice("drop_last", s.drop_last, args, reasons):
-        out["drop_last"] = s.drop_last
-        reasons.append("drop each epoch's last partial batch: under static-shape compile it would compile every "
-                       "region again for one step (up to batch_size-1 samples per epoch are skipped, different "
-                       "ones each epoch when shuffled)" if s.drop_last else "keep each epoch's last partial batch")
-        reasons[-1] += _replaced_note("drop_last", s.drop_last, args)
+    elif s.drop_last is True and getattr(args, ARG_FIELDS["drop_last"], False):
+        reasons.append("drop_last: your TrainingArguments.dataloader_drop_last=True already drops the last partial "
+                       "batch (in every loader, evaluation included, as with the stock Trainer)")
+    elif s.drop_last is True and not _kept_users_choice("drop_last", s.drop_last, args, reasons):
+        out["drop_last"] = True
+        reasons.append(TRAIN_DROP_LAST)
+    elif s.drop_last is False:
+        _kept_users_choice("drop_last", s.drop_last, args, reasons)
     if s.num_workers == 0 and args is not None:  # the user's worker-only settings would now be invalid
         if getattr(args, "dataloader_prefetch_factor", None) is not None:
             out["prefetch_factor"] = None
@@ -129,33 +136,15 @@ def _loader(s, caps, args, flattened: bool = False, packed: str | None = None) -
     return out, reasons, fallbacks
 
 
-# The names ``hf_speedup.training_arguments(**kwargs)`` was given are recorded on the TrainingArguments it
-# returns: the caller's explicit choices, even where a value equals the field's default.
-EXPLICIT_ARGS_ATTR = "hf_speedup_explicit"
+TRAIN_DROP_LAST = ("drop each epoch's last partial training batch where the blocks compile with static shapes: it "
+                   "would compile every region again for one step (up to batch_size-1 training samples per epoch "
+                   "are skipped, different ones each epoch when shuffled); the training loader only: evaluation and "
+                   "prediction see every row")
+
+
 # The loader settings presets choose. Where your TrainingArguments chose otherwise, yours are kept; the other
 # data.* loader fields are set by no preset, so a value for them in the config is your choice and is applied.
 PRESET_LOADER_KEYS = ("pin_memory", "drop_last")
-
-
-def users_choice(args, field_name: str) -> tuple[bool, Any]:
-    """(explicit, value) of a TrainingArguments field.
-
-    TrainingArguments keeps no record of which arguments were passed, so a value counts as the user's
-    explicit choice when it differs from the field's default (or was given to ``training_arguments()``);
-    a value equal to the default cannot be told apart from "not set" and reads as not set.
-    """
-    import dataclasses
-
-    if args is None or not dataclasses.is_dataclass(args):
-        return False, None
-    value = getattr(args, field_name, None)
-    if field_name in getattr(args, EXPLICIT_ARGS_ATTR, ()):
-        return True, value
-    for f in dataclasses.fields(args):
-        if f.name == field_name:
-            default = f.default if f.default is not dataclasses.MISSING else None
-            return value != default, value
-    return False, value
 
 
 def _kept_users_choice(key: str, wanted: Any, args, reasons: list[str]) -> bool:
@@ -168,16 +157,6 @@ def _kept_users_choice(key: str, wanted: Any, args, reasons: list[str]) -> bool:
                    f"explicit TrainingArguments choice wins over a preset)")
     logger.info("hf_speedup data: %s", reasons[-1])
     return True
-
-
-def _replaced_note(key: str, wanted: Any, args) -> str:
-    """Where the config replaces a TrainingArguments value that only reads as unset, say so and how to keep it."""
-    name = ARG_FIELDS[key]
-    explicit, have = users_choice(args, name)
-    if args is None or have == wanted or explicit:
-        return ""
-    return (f" (replaces TrainingArguments.{name}={have!r}, its default, which cannot be told apart from not set; "
-            f"to keep it set data.{key}: {str(have).lower()} in the config)")
 
 
 def _args_have(args, name: str) -> bool:
@@ -254,11 +233,18 @@ def decide(ctx: PlanContext) -> Decision:
     if s.packing is not None and packing is None:
         fallbacks.append(f"packing={s.packing}: only trainers with a packing argument (TRL's SFTConfig) pack "
                          "examples; use padding_free with this trainer")
-    settings = Settings(pad_to_multiple_of=s.pad_to_multiple_of or None, loader=loader,
+    train_drop_last = bool(loader.pop("drop_last", False))
+    pad = s.pad_to_multiple_of or None
+    explicit, users_pad = users_choice(ctx.args, "pad_to_multiple_of")  # TRL's configs pad in their own collator
+    if pad and explicit and _args_have(ctx.args, "padding_free") and "data.pad_to_multiple_of" not in \
+            ctx.config.explicit_fields():
+        reasons.append(f"kept your {type(ctx.args).__name__}.pad_to_multiple_of={users_pad} over the preset's {pad}")
+        pad = None
+    settings = Settings(pad_to_multiple_of=pad, loader=loader,
                         padding_free=via is not None, padding_free_via=via, packing=packing,
-                        rows_flattened=flattened)
-    if s.pad_to_multiple_of and via is None:
-        reasons.insert(0, f"pad batches to a multiple of {s.pad_to_multiple_of}: fewer distinct shapes (fewer "
+                        rows_flattened=flattened, train_drop_last=train_drop_last)
+    if pad and via is None:
+        reasons.insert(0, f"pad batches to a multiple of {pad}: fewer distinct shapes (fewer "
                           "recompiles), tensor-core friendly sizes (applied to the collator)")
     if via is not None:
         reasons.insert(0, pf_reason + (f"; pad_to_multiple_of={s.pad_to_multiple_of} not applied (no padding)"
@@ -270,8 +256,9 @@ def decide(ctx: PlanContext) -> Decision:
     for fb in fallbacks:
         logger.warning("hf_speedup data fallback: %s", fb)
     requested = _summary({k: v for k, v in vars(s).items() if v is not None and v is not False})
-    applied = _summary({"padding_free": {"collator": True, "trainer": "trainer"}.get(via), "pad_to_multiple_of": None if via else settings.pad_to_multiple_of, **loader,
-                        "packing": packing})
+    applied = _summary({"padding_free": {"collator": True, "trainer": "trainer"}.get(via),
+                        "pad_to_multiple_of": None if via else settings.pad_to_multiple_of, **loader,
+                        "train_drop_last": train_drop_last or None, "packing": packing})
     reason = "; ".join(reasons) or ("not requested: TrainingArguments' loader settings and collator kept"
                                     if not fallbacks else "nothing applicable")
     return Decision(NAME, requested=requested, applied=applied, reason=reason, settings=settings,
@@ -279,12 +266,13 @@ def decide(ctx: PlanContext) -> Decision:
 
 
 def _summary(settings: dict) -> str:
-    settings = {k: v for k, v in settings.items() if k not in ("pad_to_multiple_of", "padding_free", "packing") or v
+    settings = {k: v for k, v in settings.items()
+                if k not in ("pad_to_multiple_of", "padding_free", "packing", "train_drop_last") or v
                 or (k == "packing" and v is False)}
     short = {"pad_to_multiple_of": "pad", "num_workers": "workers", "pin_memory": "pin",
              "prefetch_factor": "prefetch", "persistent_workers": "persistent", "drop_last": "drop_last",
-             "padding_free": "padding_free", "packing": "packing"}
-    return ",".join(short[k] if k == "padding_free" and v is True else f"{short[k]}={v}"
+             "padding_free": "padding_free", "packing": "packing", "train_drop_last": "train_drop_last"}
+    return ",".join(short[k] if k in ("padding_free", "train_drop_last") and v is True else f"{short[k]}={v}"
                     for k, v in settings.items()) or "off"
 
 
@@ -378,20 +366,104 @@ def _guard_rows_the_args_flatten(decision: Decision, setup, outcome: Outcome) ->
     logger.info("hf_speedup data: %s", outcome.notes[-1])
 
 
+DROP_LAST_WITHDRAWN = "train_drop_last_withdrawn"  # Outcome.facts: why the plan's train_drop_last is not applied
+
+
 def _withdraw_drop_last(decision: Decision, setup, outcome: Outcome) -> None:
-    """The plan's drop_last=True, withdrawn (a reported fallback) where this training set makes it wrong:
+    """The plan's train_drop_last, withdrawn (a reported fallback) where this training set makes it wrong:
     fewer rows than one batch (the run would take no step at all), or an IterableDataset (the Trainer does
     not pass drop_last to its loader: the last partial batch comes anyway)."""
-    if decision.settings.loader.get("drop_last") is not True:
+    if not decision.settings.train_drop_last:
         return
     why = drop_last_problem(getattr(setup, "train_dataset", None), setup.args)
     if why is None:
         return
-    outcome.facts.setdefault("withdrawn_args", []).append(ARG_FIELDS["drop_last"])
+    _withdraw(decision, outcome, why)
+
+
+def _withdraw(decision: Decision, outcome: Outcome, why: str) -> None:
+    outcome.facts[DROP_LAST_WITHDRAWN] = why
     outcome.fallbacks.append(f"drop_last=True: {why}; the last partial batch is kept")
     outcome.applied = ",".join(p for p in (outcome.applied or decision.applied).split(",")
-                               if not p.startswith("drop_last=")) or "off"
+                               if p != "train_drop_last") or "off"
     logger.warning("hf_speedup data fallback: drop_last=True: %s; the last partial batch is kept", why)
+
+
+@contextlib.contextmanager
+def training_loader(trainer):
+    """Around the Trainer's ``get_train_dataloader``: ``args.dataloader_drop_last`` reads True while it builds the
+    training loader, where :func:`train_drop_last` says so; the user's value is back before anything else reads
+    it (the evaluation and prediction loaders)."""
+    plan, outcomes = getattr(trainer, "speedup_plan", None), getattr(trainer, "speedup_outcomes", None)
+    if plan is None or not train_drop_last(plan, outcomes["data"]):
+        yield
+        return
+    field_name = ARG_FIELDS["drop_last"]
+    users = getattr(trainer.args, field_name)
+    setattr(trainer.args, field_name, True)
+    try:
+        yield
+    finally:
+        setattr(trainer.args, field_name, users)
+
+
+def evaluation_collator(trainer, users_collator, given_collator, users_args):
+    """The collator evaluation and prediction batch with where the plan changed the training one, so that they see
+    every row as the stock Trainer shows it (not flattened, not padded further); None where training batches with
+    the user's own. ``users_collator``: what the user passed; ``given_collator``: what ``Trainer.__init__`` got
+    from the plan. Where the user passed none, the Trainer's default for the processing class; where the trainer
+    built its own (TRL's) and the plan set its ``padding_free``/``pad_to_multiple_of`` through the arguments, a
+    copy of it with the user's values."""
+    if users_collator is not None:
+        return users_collator if trainer.data_collator is not users_collator else None
+    if given_collator is not None:
+        from transformers import DataCollatorWithPadding, default_data_collator
+
+        processing_class = getattr(trainer, "processing_class", None)
+        return (DataCollatorWithPadding(processing_class) if _is_default_padding_target(processing_class)
+                else default_data_collator)
+    live = trainer.data_collator
+    restore = {name: getattr(users_args, name) for name in ("padding_free", "pad_to_multiple_of")
+               if hasattr(live, name) and _args_have(users_args, name)
+               and getattr(live, name) != getattr(users_args, name)}
+    if not restore:
+        return None
+    for_eval = copy.copy(live)
+    for name, value in restore.items():
+        setattr(for_eval, name, value)
+    return for_eval
+
+
+@contextlib.contextmanager
+def evaluation_loader(trainer):
+    """Around the Trainer's ``get_eval_dataloader``/``get_test_dataloader``: the evaluation collator (see
+    :func:`evaluation_collator`) in place while the loader is built."""
+    collator = getattr(trainer, "speedup_eval_collator", None)
+    if collator is None:
+        yield
+        return
+    training = trainer.data_collator
+    trainer.data_collator = collator
+    try:
+        yield
+    finally:
+        trainer.data_collator = training
+
+
+def train_drop_last(plan, outcome: Outcome) -> bool:
+    """Whether the training loader drops its last partial batch: your config's ``data.drop_last: true``, or a
+    preset's where the blocks compile with static shapes (elsewhere a partial batch costs no recompile: the
+    preset's choice is withdrawn and the report says so, once)."""
+    if not plan["data"].settings.train_drop_last or DROP_LAST_WITHDRAWN in outcome.facts:
+        return False
+    compiled = plan["compile"]
+    static = compiled.active and getattr(compiled.settings, "dynamic", None) is not True
+    if static or "data.drop_last" in plan.config.explicit_fields():
+        return True
+    _withdraw(plan["data"], outcome, "nothing compiles with static shapes in this run ("
+              + (f"compile: {compiled.applied}, dynamic sequence dimension" if compiled.active else
+                 "compile is off") + "), so a partial last batch costs no recompile")
+    return False
 
 
 def global_batch(args) -> tuple[int, int]:
@@ -478,6 +550,28 @@ def _verify_args_guard(trainer, outcome: Outcome) -> tuple[bool, str]:
     return guarded, f"use_cache guard for the rows {why} flattens: {'yes' if guarded else 'MISSING'}"
 
 
+def loader_drops_last(loader) -> bool | None:
+    """The ``drop_last`` a (possibly accelerate-prepared) DataLoader batches with; None where it cannot be read."""
+    for obj in (loader, getattr(loader, "batch_sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "batch_sampler", None)):
+        if isinstance(getattr(obj, "drop_last", None), bool) and obj is not loader:
+            return obj.drop_last
+    return getattr(loader, "drop_last", None)
+
+
+def _verify_train_drop_last(trainer) -> tuple[bool, str]:
+    """Once ``train()`` built it, the training loader drops its last partial batch and the arguments (which the
+    evaluation and prediction loaders read) still say what the user said."""
+    loader = getattr(getattr(trainer, "callback_handler", None), "train_dataloader", None)
+    args_value = getattr(trainer.args, ARG_FIELDS["drop_last"], None)
+    if loader is None:
+        return True, (f"training loader drops its last partial batch (built by train()); args.dataloader_drop_last="
+                      f"{args_value} for evaluation and prediction")
+    drops = loader_drops_last(loader)
+    return drops is True, (f"training loader drop_last={drops}" + ("" if drops else " - MISMATCH: planned True")
+                           + f"; args.dataloader_drop_last={args_value} for evaluation and prediction")
+
+
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     st = decision.settings
     parts, ok, applied = [], True, False
@@ -495,6 +589,11 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         parts.append(f"{type(trainer.data_collator).__name__}.pad_to_multiple_of={have}"
                      + ("" if good else f" - MISMATCH: planned a multiple of {multiple}"))
     guarded, guard_text = _verify_args_guard(trainer, outcome)
+    if st.train_drop_last and DROP_LAST_WITHDRAWN not in outcome.facts:
+        applied = True
+        good, text = _verify_train_drop_last(trainer)
+        ok = ok and good
+        parts.append(text)
     withdrawn = set(outcome.facts.get("withdrawn_args", ()))
     for key, field_name in ARG_FIELDS.items():
         if key not in st.loader or field_name in withdrawn:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 from transformers import TrainerCallback
 
+from ..callback_handler import all_callbacks
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "interrupt"
@@ -130,8 +131,7 @@ def during_train(decision: Decision, trainer, outcome: Outcome) -> "armed":
 
 def find_callback(trainer) -> "InterruptCallback | None":
     """The feature's callback as registered on the live trainer (None when off or removed)."""
-    handler = getattr(trainer, "callback_handler", None)
-    return next((cb for cb in getattr(handler, "callbacks", ()) if isinstance(cb, InterruptCallback)), None)
+    return next((cb for cb in all_callbacks(trainer) if isinstance(cb, InterruptCallback)), None)
 
 
 class armed:

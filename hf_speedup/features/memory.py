@@ -40,6 +40,7 @@ from ..cpu_allocator import PROBE_BYTES, reallocation_faults, reuse_freed_memory
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 from ..presets import resolve
 from . import memory_budget
+from .explicit_args import users_choice
 
 NAME = "memory"
 ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the order torch's CUDA allocator reads them
@@ -237,15 +238,21 @@ def _decide_cuda_knobs(ctx: PlanContext) -> Decision:
         return Decision(NAME, requested=requested, applied=OFF, reason=why, settings=Settings(),
                         fallbacks=(f"{requested}: {why}",))
     reasons = []
-    if s.empty_cache_steps:
-        reasons.append(f"torch.cuda.empty_cache() every {s.empty_cache_steps} steps: lower reserved memory and "
+    steps = s.empty_cache_steps
+    explicit, users = users_choice(ctx.args, "torch_empty_cache_steps")
+    if steps and explicit and "memory.empty_cache_steps" not in ctx.config.explicit_fields():
+        reasons.append(f"kept your TrainingArguments.torch_empty_cache_steps={users} over the preset's {steps} (an "
+                       "explicit TrainingArguments choice wins over a preset)")
+        steps = None
+    if steps:
+        reasons.append(f"torch.cuda.empty_cache() every {steps} steps: lower reserved memory and "
                        "fragmentation, at some step-time cost")
     if s.expandable_segments:
         reasons.append("expandable_segments: the allocator grows segments instead of caching fixed-size ones "
                        "(less fragmentation); set before CUDA initialises where possible")
-    return Decision(NAME, requested=requested, applied=requested, reason="; ".join(reasons),
-                    settings=Settings(empty_cache_steps=s.empty_cache_steps or None,
-                                      expandable_segments=bool(s.expandable_segments)))
+    return Decision(NAME, requested=requested, applied=_summary(steps, s.expandable_segments),
+                    reason="; ".join(reasons),
+                    settings=Settings(empty_cache_steps=steps or None, expandable_segments=bool(s.expandable_segments)))
 
 
 # --------------------------------------------------------------------------------------------- apply

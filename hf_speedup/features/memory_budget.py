@@ -183,7 +183,9 @@ class _Trial:
         for key, value in changes.items():
             section, field = key.split(".")
             sections.setdefault(section, {})[field] = value
-        return self.ctx.config.replace(**sections) if sections else self.ctx.config
+        # the budget's amendments are not the user's choices: an explicit TrainingArguments value still wins over them
+        return self.ctx.config.replace(**sections).with_explicit_fields(self.ctx.config.explicit_fields()) \
+            if sections else self.ctx.config
 
     def decisions(self, changes: Mapping[str, Any]) -> dict[str, Decision]:
         ctx = self.ctx

@@ -2,8 +2,9 @@
 
 Fallback chain: 8-bit / paged 8-bit AdamW (bitsandbytes, CUDA) -> fused AdamW (torch, CPU and CUDA)
 -> AdamW; with ``optimizer.strict`` a choice that cannot run here is a :class:`SpeedupConfigError`.
-``auto`` picks fused AdamW (same update as AdamW, one kernel for all parameters) unless the user's
-TrainingArguments ask for a non-AdamW optimizer (Adafactor, Lion, ...), which ``auto`` keeps.
+``auto`` picks fused AdamW (same update as AdamW, one kernel for all parameters). An ``optim`` the user set in
+TrainingArguments wins over every preset (``keep``), and is refused up front where it conflicts with the user's own
+``optimizer.name`` or cannot run (a bitsandbytes optimizer under FSDP2).
 
 Engagement rule: ``engaged`` is True iff ``trainer.optimizer`` (unwrapped from accelerate) really is
 the fused or 8-bit optimizer the decision stands for. Plain AdamW accelerates nothing and is reported
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from ..compat import unwrap_optimizer
 from ..config import SpeedupConfigError
 from ..plan_types import Decision, Outcome, PlanContext
+from .explicit_args import users_choice
 from .fallback import walk_chain
 
 NAME = "optimizer"
@@ -91,25 +93,17 @@ def _walk_chain(wanted: str, caps, strict: bool, fsdp2: bool = False) -> tuple[s
 
 
 def _resolve(s, caps, user: str | None, fsdp2: bool = False) -> tuple[str, str, str, list[str], bool]:
-    """(our name or the user's raw optim, TrainingArguments.optim, reason, fallbacks, keep the args as they are)."""
+    """(our name or the user's raw optim, TrainingArguments.optim, reason, fallbacks, keep the args as they are)
+    where the user set no optim of their own (``user`` is the arguments' default then)."""
     if s.name == "keep":
         raw = user or _default_optim()
         return FROM_HF.get(raw, raw), raw, f"keep: TrainingArguments' optim={raw!r}", [], True
     if s.name == "auto":
-        if user is not None and user not in FROM_HF:
-            return user, user, (f"auto keeps TrainingArguments' optim={user!r} (not an AdamW variant "
-                                "hf_speedup manages)"), [], True
-        # an 8-bit optimizer already in the user's args is an explicit wish: auto starts the chain there
-        wanted = FROM_HF[user] if user in FROM_HF and KIND[FROM_HF[user]].endswith("8bit") else "adamw_fused"
-        name, fallbacks = _walk_chain(wanted, caps, s.strict, fsdp2)
-        reason = _why(name, caps) if not fallbacks else f"auto: {wanted} cannot run here -> {name}"
-        if user and user != TO_HF[name] and not fallbacks:
-            reason += f"; replaces TrainingArguments' optim={user!r}"
+        name, fallbacks = _walk_chain("adamw_fused", caps, s.strict, fsdp2)
+        reason = _why(name, caps) if not fallbacks else f"auto: adamw_fused cannot run here -> {name}"
         return name, TO_HF[name], reason, fallbacks, False
     name, fallbacks = _walk_chain(s.name, caps, s.strict, fsdp2)
     reason = f"{name} as requested: {_why(name, caps)}" if name == s.name else f"{s.name} cannot run here -> {name}"
-    if user and user != TO_HF[name]:
-        reason += f"; overrides TrainingArguments' optim={user!r} (optimizer.name is explicit)"
     return name, TO_HF[name], reason, fallbacks, False
 
 
@@ -128,9 +122,41 @@ def shards_with_fsdp2(ctx: PlanContext) -> bool:
     return bool(fsdp is not None and fsdp.active and getattr(fsdp.settings, "version", None) == 2)
 
 
+BNB_OPTIMS = ("bnb", "8bit")  # TrainingArguments.optim names of bitsandbytes optimizers contain one of these
+
+
+def _users_optim(ctx: PlanContext) -> tuple[str, str, str, list[str], bool] | None:
+    """The resolution for an optim the user set in TrainingArguments (None where they set none): it wins over a
+    preset's ``optimizer.name``; it conflicts with one their own config sets; under FSDP2 a bitsandbytes one
+    cannot run. Both are refused now, before any heavy work."""
+    explicit, value = users_choice(ctx.args, "optim")
+    user = args_optim(ctx.args)
+    s = ctx.config.optimizer
+    if not explicit or s.name == "keep":
+        return None
+    problems = []
+    ours = "optimizer.name" in ctx.config.explicit_fields() and s.name != "auto"
+    if ours and TO_HF.get(s.name) != user and FROM_HF.get(user) != s.name:
+        problems.append(
+            f"optimizer.name = {s.name!r} (your config) and TrainingArguments.optim = {user!r} ask for different "
+            f"optimizers; allowed: one choice; fix: drop optim from TrainingArguments, or set optimizer.name: keep "
+            "(or auto) to train with it")
+    if shards_with_fsdp2(ctx) and any(tag in user for tag in BNB_OPTIMS):
+        problems.append(
+            f"TrainingArguments.optim = {user!r} cannot run under FSDP2: {FSDP2_8BIT}; allowed: a torch optimizer "
+            "(adamw_torch_fused, adamw_torch, ...); fix: drop optim from TrainingArguments (the preset picks fused "
+            "AdamW), or shard with fsdp.version: 1")
+    if problems:
+        raise SpeedupConfigError(problems)
+    preset = f"the preset's optimizer.name={s.name!r}" if s.name != "auto" else "auto's choice"
+    return (FROM_HF.get(user, user), user, f"kept your TrainingArguments.optim={user!r} over {preset} (an explicit "
+            "TrainingArguments choice wins over a preset)", [], True)
+
+
 def decide(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.optimizer, ctx.caps
-    applied, hf_name, reason, fallbacks, keep = _resolve(s, caps, args_optim(ctx.args), shards_with_fsdp2(ctx))
+    resolved = _users_optim(ctx) or _resolve(s, caps, args_optim(ctx.args), shards_with_fsdp2(ctx))
+    applied, hf_name, reason, fallbacks, keep = resolved
     if hf_name in ("adamw_bnb_8bit", "paged_adamw_8bit"):
         reason += "; embeddings keep 32-bit state (transformers registers that override)"
     for fb in fallbacks:

@@ -37,6 +37,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..blocks import find_blocks, unwrap_model
+from ..callback_handler import all_callbacks
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 from .compile_payback import MEASURED_STEPS
 
@@ -328,7 +329,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return False, decision.reason
     labels = labelled_modules(trainer.model)
     loss = isinstance(vars(unwrap_model(trainer.model)).get("_loss_function"), LabelledLoss)
-    registered = any(isinstance(cb, ProfilerCallback) for cb in trainer.callback_handler.callbacks)
+    registered = any(isinstance(cb, ProfilerCallback) for cb in all_callbacks(trainer))
     parts = [f"{len(labels)} labelled blocks", "labelled loss" if loss else "loss not labelled",
              "profiler callback registered" if registered else "profiler callback MISSING"]
     snapshot = ("memory snapshot " + (outcome.facts.get("memory_snapshot") or "after the window")

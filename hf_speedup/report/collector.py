@@ -10,13 +10,15 @@ How it measures without adding device synchronisation:
   samples summed over ranks, memory maxed);
 - memory: allocator statistics (host-side queries); compile: dynamo's counters (host-side).
 
-Per logging step the metrics go through ``Trainer.log`` (so every ``report_to`` tracker and
-``state.log_history`` get them) as ``hf_speedup/<metric>``; W&B's callback, which files training logs
-under ``train/``, gets them under their own key (``sinks.route_wandb_metrics``). At the end the summary (steady-state figures and, beside them, the
-whole run's: wall clock with every compile and recompile, and the seconds they took) is logged the same way, put
-into the W&B run summary as ``hf_speedup/<metric>`` (the plan goes to the W&B config as
-``hf_speedup/<feature>/<field>``), written to ``<output_dir>/speedup_report.json`` and printed.
-Only the main process prints and writes.
+Per logging step the metrics go to the ``report_to`` trackers' ``on_log`` beside the Trainer's training log, as
+``hf_speedup/<metric>`` (``callback_handler.SpeedupCallbackHandler``); ``state.log_history`` and the other callbacks
+keep the stock logs, so ``trainer_state.json`` does not depend on wall-clock figures. W&B's callback, which files
+training logs under ``train/``, gets them under their own key (``sinks.route_wandb_metrics``). At the end the
+summary (steady-state figures and, beside them, the whole run's: wall clock with every compile and recompile, and
+the seconds they took) goes to the trackers the same way and into the W&B run summary as ``hf_speedup/<metric>``
+(the plan goes to the W&B config as ``hf_speedup/<feature>/<field>``), written where ``report.path`` says
+(``<output_dir>/speedup_report.json`` by default) and printed. ``baseline`` turns the file, the trackers and the
+printing off. Only the main process prints and writes.
 """
 
 from __future__ import annotations
@@ -66,10 +68,11 @@ def _never_breaks_training(on_failure=None):
 class SpeedupCallback(TrainerCallback):
     """Created by :class:`~hf_speedup.trainer.SpeedupTrainer`; ``trainer`` is that trainer."""
 
-    def __init__(self, trainer, *, print_tables: bool = True, max_history: int = 1024,
+    def __init__(self, trainer, *, print_tables: bool | None = None, max_history: int = 1024,
                  max_step_times: int = 4096) -> None:
         self.trainer = trainer
-        self.print_tables = print_tables
+        self.settings = trainer.speedup_plan.config.report  # where the report goes (``report:`` section)
+        self.print_tables = self.settings.console if print_tables is None else print_tables
         self.max_history = max_history
         self.max_step_times = max_step_times
         self.counter = M.TokenCounter()
@@ -101,7 +104,8 @@ class SpeedupCallback(TrainerCallback):
         return procs * (n_gpu if procs == 1 and n_gpu > 1 else 1)
 
     def _reset(self, args) -> None:
-        sinks.route_wandb_metrics(self.trainer.callback_handler.callbacks)
+        if self.settings.trackers:
+            sinks.route_wandb_metrics(self.trainer.callback_handler.callbacks)
         self.counter.reset()
         self.active = True
         self.finalized = False
@@ -138,21 +142,24 @@ class SpeedupCallback(TrainerCallback):
             self.counter.add(inputs)
             self.memory.batch(inputs)
 
-    @_never_breaks_training(on_failure=lambda logs: logs)
-    def augment_logs(self, logs: dict) -> dict:
-        """Called by ``SpeedupTrainer.log`` on every process: adds ``hf_speedup/*`` to training logs."""
+    @_never_breaks_training(on_failure=lambda logs: {})
+    def metrics_for_log(self, logs: dict) -> dict:
+        """Called by ``SpeedupTrainer.log`` on every process: the ``hf_speedup/*`` metrics for the trackers to log
+        beside a training log (empty for other logs, or with ``report.trackers: false``). Measures either way: the
+        window goes into the report's history."""
         if not self.active or not isinstance(logs, dict):
-            return logs
+            return {}
+        values: dict = {}
         if "train_runtime" in logs:  # the Trainer's end-of-training log
             if not self.finalized:
                 self.finalize()
-            logs.update(self._log_values(dataclasses.asdict(self.trainer.speedup_report.metrics), SUMMARY_METRICS))
+            values = self._log_values(dataclasses.asdict(self.trainer.speedup_report.metrics), SUMMARY_METRICS)
         elif "loss" in logs and not any(k.startswith(("eval_", "test_")) for k in logs):
             step = self.trainer.state.global_step
             if step != self.last_logged_step and len(self.step_times) > self.last_log["index"]:
                 self.last_logged_step = step
-                logs.update(self._log_values(self._window(), STEP_METRICS))
-        return logs
+                values = self._log_values(self._window(), STEP_METRICS)
+        return values if self.settings.trackers else {}
 
     @staticmethod
     def _log_values(values: dict, keys) -> dict:
@@ -345,8 +352,9 @@ class SpeedupCallback(TrainerCallback):
         if state.is_world_process_zero:
             if self.print_tables:
                 sinks.print_plan(report)
-            sinks.to_wandb(report.to_dict(), summary=False)
-            sinks.write_json(report, args.output_dir)
+            if self.settings.trackers:
+                sinks.to_wandb(report.to_dict(), summary=False)
+            self._write(args)
         self.t_begin = self.t_last = time.perf_counter()
 
     @_never_breaks_training()
@@ -388,9 +396,9 @@ class SpeedupCallback(TrainerCallback):
         totals = self._totals(self._gather(), bounded=True)  # every process: one collective, as at a logging step
         if state.is_world_process_zero:
             checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            if os.path.isdir(checkpoint):  # the counters a resume from it carries over
+            if os.path.isdir(checkpoint) and self.settings.path is not None:  # what a resume from it carries over
                 carry.write(totals, checkpoint)
-            sinks.write_json(self.trainer.speedup_report, args.output_dir)
+            self._write(args)
 
     @_never_breaks_training()
     def on_train_end(self, args, state, control, **kwargs):
@@ -402,10 +410,16 @@ class SpeedupCallback(TrainerCallback):
         self.active = False
         if state.is_world_process_zero:
             report = self.trainer.speedup_report
-            path = sinks.write_json(report, args.output_dir)
-            sinks.to_wandb(report.to_dict(), summary=True)
+            path = self._write(args)
+            if self.settings.trackers:
+                sinks.to_wandb(report.to_dict(), summary=True)
             if self.print_tables:
                 sinks.print_metrics(report, path)
+
+    def _write(self, args):
+        """The JSON report where ``report.path`` says (None: not written)."""
+        path = sinks.report_file(self.settings.path, args.output_dir)
+        return sinks.write_json(self.trainer.speedup_report, path) if path is not None else None
 
 
 def _thin(items: list, limit: int) -> list:

@@ -1,4 +1,5 @@
-"""Where a report goes: ``<output_dir>/speedup_report.json``, the W&B run, the console.
+"""Where a report goes: a JSON file (``report.path``, by default ``<output_dir>/speedup_report.json``), the W&B
+run, the console.
 
 Reporting never ends a training run: a sink that fails logs a warning and the run goes on.
 """
@@ -37,9 +38,21 @@ def write_json_atomically(path: Path, data: Any, consequence: str, indent: int |
         return None
 
 
-def write_json(report: Report, output_dir: str | Path) -> Path | None:
-    """``<output_dir>/speedup_report.json``, atomically; None (and a warning) where it cannot be written."""
-    return write_json_atomically(Path(output_dir) / REPORT_FILE, report.to_dict(),
+def report_file(setting: Any, output_dir: str | Path) -> Path | None:
+    """Where ``report.path`` puts the JSON: ``auto`` -> ``<output_dir>/speedup_report.json``; a directory (existing,
+    or written with a trailing slash) -> ``speedup_report.json`` inside it; None -> not written."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        return Path(output_dir) / REPORT_FILE
+    text = str(setting)
+    path = Path(text).expanduser()
+    return path / REPORT_FILE if path.is_dir() or text.endswith(("/", os.sep)) else path
+
+
+def write_json(report: Report, path: str | Path) -> Path | None:
+    """The report at ``path``, atomically; None (and a warning) where it cannot be written."""
+    return write_json_atomically(Path(path), report.to_dict(),
                                  "training goes on, the report stays in trainer.speedup_report", indent=2)
 
 

@@ -1,0 +1,108 @@
+"""Which TrainingArguments values the user chose: an explicit choice wins over a preset's (or the run refuses up
+front), so every feature that sets a TrainingArguments field asks here first.
+
+TrainingArguments keep no record of which arguments were passed: a value counts as the user's when it differs
+from the field's default, or when :func:`hf_speedup.training_arguments` was given it (it records the names).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+# The names ``hf_speedup.training_arguments(**kwargs)`` was given are recorded on the TrainingArguments it
+# returns: the caller's explicit choices, even where a value equals the field's default.
+EXPLICIT_ARGS_ATTR = "hf_speedup_explicit"
+
+
+def users_choice(args, field_name: str) -> tuple[bool, Any]:
+    """(explicit, value) of a TrainingArguments field.
+
+    TrainingArguments keeps no record of which arguments were passed, so a value counts as the user's
+    explicit choice when it differs from what the same class holds when built with nothing set (its field
+    default, as its ``__post_init__`` resolves it), or was given to ``training_arguments()``; a value equal to
+    the default cannot be told apart from "not set" and reads as not set.
+    """
+    import dataclasses
+
+    if args is None or not dataclasses.is_dataclass(args) or not hasattr(args, field_name):
+        return False, None
+    value = getattr(args, field_name)
+    if field_name in getattr(args, EXPLICIT_ARGS_ATTR, ()):
+        return True, value
+    defaults = _defaults(type(args), _launch_env())
+    if field_name not in defaults:
+        return False, value
+    default = defaults[field_name]
+    if default == "auto" and value != "auto":  # resolved by __post_init__ from other fields: unknowable
+        return False, value
+    return not _same(value, default), value
+
+
+def _launch_env() -> tuple:
+    """What a launcher exports that TrainingArguments read while they are built (part of the defaults' key)."""
+    import os
+
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "FSDP_"))))
+
+
+@functools.lru_cache(maxsize=32)
+def _defaults(cls: type, _env: tuple) -> dict:
+    """Field -> value of ``cls`` built with nothing set (its ``__post_init__`` run); the declared field defaults
+    where it cannot be built so (a config whose defaults need a GPU, say)."""
+    import dataclasses
+    import tempfile
+    import warnings
+
+    declared = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    for extra in ({}, {"bf16": False}):
+        try:
+            with warnings.catch_warnings():  # its deprecation notes are the user's to see for their own object
+                warnings.simplefilter("ignore")
+                built = cls(output_dir=tempfile.gettempdir(), **extra)
+        except Exception:
+            continue
+        return {**declared, **{name: getattr(built, name) for name in declared if name not in extra
+                               and name != "output_dir"}}
+    return declared
+
+
+# Fields a preset may still change although you set them: what you asked for happens, another way.
+TAKEN_OVER = {
+    **{name: "hf_speedup checkpoints the blocks itself (your checkpointing, done once, not by both)"
+       for name in ("gradient_checkpointing", "activation_checkpointing", "gradient_checkpointing_kwargs",
+                    "activation_checkpointing_kwargs")},
+    **{name: "memory.budget (your own config: no preset sets it) splits each batch into micro-batches with "
+             "gradient accumulation; the effective batch is kept"
+       for name in ("per_device_train_batch_size", "gradient_accumulation_steps")},
+    "chat_template_path": "the template was cloned before the adapters were added, as TRL does: not cloned twice",
+}
+
+
+def overridden_choices(args, overrides: dict, feature: str, preset: str) -> list[str]:
+    """The problems of ``overrides`` (one feature's TrainingArguments changes) that would replace a value the user
+    set: a feature keeps the user's value instead (and says so); one that does not is refused up front here."""
+    problems = []
+    for name, value in overrides.items():
+        explicit, users = users_choice(args, name)
+        if name in TAKEN_OVER or not explicit or _same(users, value):
+            continue
+        problems.append(
+            f"TrainingArguments.{name} = {_plain(users)!r} is your explicit choice, and speedup {preset!r} ({feature}) "
+            f"would set {_plain(value)!r}; allowed: one of the two; fix: drop {name} from your TrainingArguments to "
+            f"take the preset's value, or set the config's {feature} section so that it keeps yours")
+    return problems
+
+
+def _plain(value: Any) -> Any:
+    """An enum's value; a list of enum options as the space-separated string TrainingArguments accepts."""
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(_plain(v)) for v in value)
+    return getattr(value, "value", value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    a, b = _plain(a), _plain(b)
+    if isinstance(a, str) and isinstance(b, str):
+        return sorted(a.split()) == sorted(b.split())
+    return a == b
