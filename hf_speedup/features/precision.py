@@ -29,6 +29,7 @@ from ..compat import set_tf32, tf32_matmul_enabled
 from ..config import SpeedupConfigError
 from ..dtypes import short_name, to_dtype
 from ..plan_types import Decision, Outcome, PlanContext
+from .explicit_args import users_choice
 from .fallback import walk_chain
 
 NAME = "precision"
@@ -87,6 +88,9 @@ def explicit_dtype(args) -> tuple[str | None, str]:
     user = args_dtype(args)
     if user != "fp32":
         return user, f"the TrainingArguments' explicit {user}=True"
+    off = [flag for flag in ("bf16", "fp16") if users_choice(args, flag) == (True, False)]
+    if off:  # recorded by training_arguments(): a default-valued False that is the user's own
+        return "fp32", f"the TrainingArguments' explicit {'/'.join(off)}=False"
     launcher = launcher_dtype()
     if launcher is not None:
         import os
