@@ -309,7 +309,7 @@ def test_two_processes_sum_tokens_over_ranks(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     env.pop(OVERRIDE_ENV, None)
-    proc = subprocess.run([torchrun, "--nproc_per_node=2", "--master_port=29517", str(script), str(out)],
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", str(script), str(out)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -7,7 +7,6 @@ from the field's default, or when :func:`hf_speedup.training_arguments` was give
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 # The names ``hf_speedup.training_arguments(**kwargs)`` was given are recorded on the TrainingArguments it
@@ -19,9 +18,9 @@ def users_choice(args, field_name: str) -> tuple[bool, Any]:
     """(explicit, value) of a TrainingArguments field.
 
     TrainingArguments keeps no record of which arguments were passed, so a value counts as the user's
-    explicit choice when it differs from what the same class holds when built with nothing set (its field
-    default, as its ``__post_init__`` resolves it), or was given to ``training_arguments()``; a value equal to
-    the default cannot be told apart from "not set" and reads as not set.
+    explicit choice when it differs from the field's default as the class resolves it (its ``__post_init__`` may
+    turn a declared ``None`` into ``False``), or was given to ``training_arguments()``; a value equal to the
+    default cannot be told apart from "not set" and reads as not set.
     """
     import dataclasses
 
@@ -30,41 +29,31 @@ def users_choice(args, field_name: str) -> tuple[bool, Any]:
     value = getattr(args, field_name)
     if field_name in getattr(args, EXPLICIT_ARGS_ATTR, ()):
         return True, value
-    defaults = _defaults(type(args), _launch_env())
-    if field_name not in defaults:
+    field = next((f for f in dataclasses.fields(args) if f.name == field_name), None)
+    if field is None or field.default is dataclasses.MISSING:
         return False, value
-    default = defaults[field_name]
-    if default == "auto" and value != "auto":  # resolved by __post_init__ from other fields: unknowable
+    declared = field.default
+    if _same(value, declared):
         return False, value
-    return not _same(value, default), value
+    if declared == "auto":  # resolved by __post_init__ from other fields: unknowable
+        return False, value
+    return not _same(value, _resolved_default(args, field_name, declared)), value
 
 
-def _launch_env() -> tuple:
-    """What a launcher exports that TrainingArguments read while they are built (part of the defaults' key)."""
-    import os
-
-    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("ACCELERATE_", "FSDP_"))))
-
-
-@functools.lru_cache(maxsize=32)
-def _defaults(cls: type, _env: tuple) -> dict:
-    """Field -> value of ``cls`` built with nothing set (its ``__post_init__`` run); the declared field defaults
-    where it cannot be built so (a config whose defaults need a GPU, say)."""
-    import dataclasses
-    import tempfile
+def _resolved_default(args, field_name: str, declared: Any) -> Any:
+    """The value ``args``' class gives the field when it is left at ``declared``, everything else as in ``args``
+    (built as a copy of them: a TrainingArguments built with other device fields would set the process's
+    accelerator state up differently); ``declared`` where the copy cannot be built."""
     import warnings
 
-    declared = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-    for extra in ({}, {"bf16": False}):
-        try:
-            with warnings.catch_warnings():  # its deprecation notes are the user's to see for their own object
-                warnings.simplefilter("ignore")
-                built = cls(output_dir=tempfile.gettempdir(), **extra)
-        except Exception:
-            continue
-        return {**declared, **{name: getattr(built, name) for name in declared if name not in extra
-                               and name != "output_dir"}}
-    return declared
+    from ..compat import replace_args
+
+    try:
+        with warnings.catch_warnings():  # its deprecation notes are the user's to see for their own object
+            warnings.simplefilter("ignore")
+            return getattr(replace_args(args, {field_name: declared}), field_name)
+    except Exception:
+        return declared
 
 
 # Fields a preset may still change although you set them: what you asked for happens, another way.
