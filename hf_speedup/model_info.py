@@ -9,6 +9,7 @@ from torch import nn
 
 from .blocks import block_class_names, find_blocks, unwrap_model
 from .dtypes import long_name
+from .model_parts import attention_softcap, expert_parameters, head_kind, head_modules, miscounted_loss, routers
 from .model_shape import ModelShape, held_weights, model_shape, owners
 
 
@@ -29,12 +30,18 @@ class ModelInfo:
     dtype: str = "float32"
     is_peft: bool = False
     quantization: str | None = None  # "4bit" | "8bit" | "gguf" | other quantizer name | None
-    linear_names: tuple[str, ...] = ()  # leaf names of the linear layers inside blocks (LoRA targets)
+    linear_names: tuple[str, ...] = ()  # leaf names of the linear layers inside blocks, routers left out (LoRA targets)
+    expert_parameters: tuple[str, ...] = ()  # block-relative fused 3-D expert weights (mlp.experts.gate_up_proj)
+    routers: tuple[str, ...] = ()  # block-relative routers of a mixture-of-experts block (mlp.gate)
+    head: str = "none"  # the task head (model_parts.head_kind): causal_lm, masked_lm, sequence_classification, ...
+    head_modules: tuple[str, ...] = ()  # top-level modules outside the backbone (score, classifier, lm_head)
+    miscounted_loss: str = ""  # why the stock Trainer's padded loss is not the mean over the real targets
     attn_implementation: str | None = None  # config._attn_implementation of the live model
     attention_kernels: tuple[str, ...] = ()  # what the class declares: sdpa, flash_attention, flex_attention, interface
     packed_sequences: bool = False  # padding-free rows (position_ids restarting per sequence) are kept apart
     packed_reason: str = ""
     sliding_window: int | None = None  # attention limited to the last N tokens in some or all layers
+    attention_softcap: float | None = None  # attention logits squashed by cap*tanh(s/cap) (Gemma 2): not SDPA's math
     shape: ModelShape | None = None  # the sizes memory estimates need (memory_model)
     compiled_whole: bool = False  # the caller already compiled the whole model (torch.compile(model), model.compile())
     extra: dict = field(default_factory=dict)
@@ -156,7 +163,7 @@ def attention_facts(model: nn.Module) -> dict:
         packed, why = True, (f"{cls.__name__} builds masks with create_causal_mask (sequences found from restarting "
                              "position_ids) and dispatches attention through AttentionInterface")
     return {"attn_implementation": impl, "attention_kernels": tuple(kernels), "packed_sequences": packed,
-            "packed_reason": why, "sliding_window": _sliding_window(cfg)}
+            "packed_reason": why, "sliding_window": _sliding_window(cfg), "attention_softcap": attention_softcap(cfg)}
 
 
 def _sliding_window(cfg) -> int | None:
@@ -195,9 +202,11 @@ def describe_model(model: nn.Module) -> ModelInfo:
     counts = parameter_counts(model)
     emb = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     linear_names: list[str] = []
+    block_routers = routers(blocks[0]) if blocks else ()
     for b in blocks[:1]:
         for name, m in b.named_modules():
-            if is_linear_layer(m):
+            in_router = any(name == r or name.startswith(r + ".") for r in block_routers)
+            if is_linear_layer(m) and not in_router:
                 leaf = name.split(".")[-1]
                 if leaf and leaf not in linear_names and leaf not in ("base_layer",):
                     linear_names.append(leaf)
@@ -219,6 +228,11 @@ def describe_model(model: nn.Module) -> ModelInfo:
         compiled_whole=_compiled_whole(model),
         quantization=quantization_of(model),
         linear_names=tuple(linear_names),
+        expert_parameters=expert_parameters(blocks[0]) if blocks else (),
+        routers=block_routers,
+        head=head_kind(unwrap_model(model)),
+        head_modules=head_modules(unwrap_model(model)),
+        miscounted_loss=miscounted_loss(unwrap_model(model)),
         **attention_facts(model),
         shape=model_shape(model),
     )

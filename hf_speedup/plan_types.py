@@ -20,6 +20,7 @@ from .hardware import Capabilities
 from .model_info import ModelInfo
 
 OFF = "off"  # ``Decision.applied`` of a feature that does nothing
+WITHDRAWN = "withdrawn"  # ``Outcome.applied`` of a feature planned, then taken out again by apply or verify
 
 # The order the report shows features in (DESIGN.md's seven, then ours).
 REPORT_ORDER = ("precision", "compile", "optimizer", "checkpointing", "memory", "lora", "fsdp", "data")
@@ -59,6 +60,18 @@ class Outcome:
     facts: dict = field(default_factory=dict)  # read off the live objects; the report shows them under settings
     engaged: bool | None = None  # None until verified on the real objects
     engaged_reason: str = "not verified yet"
+
+    def withdraw(self, why: str) -> None:
+        """The feature was planned but apply or verify took it out again (a check forward failed, the model
+        refused it): it reads as withdrawn, never as applied, with the reason, in every later report."""
+        self.applied = WITHDRAWN
+        self.facts["withdrawn"] = why
+        self.engaged = False
+
+    @property
+    def withdrawn(self) -> str | None:
+        """Why the feature was withdrawn after planning (None while it stands)."""
+        return self.facts.get("withdrawn") if self.applied == WITHDRAWN else None
 
 
 @dataclass(frozen=True)

@@ -241,3 +241,65 @@ def test_a_kernel_the_model_refuses_at_apply_is_a_reported_fallback_or_with_stri
     with pytest.raises(SpeedupConfigError, match=r"attention.implementation = 'eager': transformers refused it .*"
                                                  r"attention.strict = true.*fix: repair the kernel's install"):
         attention.apply(strict, Setup(model=tiny_model, args=None), Outcome())
+
+
+# ------------------------------------------------------------------------------- the model's own attention features
+def softcapped_gemma2():
+    """Gemma 2 with every layer full attention and its default attention-logit softcapping (50)."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64,
+                                          layer_types=["full_attention"] * 2, pad_token_id=0, bos_token_id=1,
+                                          eos_token_id=2))
+
+
+def test_softcapped_attention_never_gets_sdpa(make_args):
+    model = softcapped_gemma2()
+    d = plan(CPU_NO_BF16, model, "auto", make_args())["attention"]  # padding-free rows, no sliding window
+    assert d.applied == "eager"
+    assert ("not sdpa_varlen, sdpa: Gemma2ForCausalLM caps its attention logits (attn_logit_softcapping=50), which "
+            "torch's scaled_dot_product_attention cannot apply") in d.reason
+    asked = plan(CPU_NO_BF16, model, "auto", make_args(), implementation="sdpa")["attention"]
+    assert asked.applied == "eager" and asked.fallbacks[0].startswith("sdpa -> eager: Gemma2ForCausalLM caps")
+    with pytest.raises(SpeedupConfigError, match=r"attention\.implementation = 'sdpa' cannot run here \(Gemma2ForCausalLM "
+                                                 r"caps its attention logits.*allowed here: 'eager'"):
+        plan(CPU_NO_BF16, model, "auto", make_args(), implementation="sdpa", strict=True)
+
+
+def test_kernels_the_class_does_not_declare_are_not_planned():
+    """sdpa_varlen is SDPA's math per sequence: a class without ``_supports_sdpa`` gets neither; a softcap on a
+    class that does declare sdpa (Gemma 3 with the cap set) rules both out as well."""
+    from hf_speedup.model_info import ModelInfo
+
+    no_sdpa = ModelInfo(architecture="NoSdpaForCausalLM", block_class="Block", num_blocks=2,
+                        attention_kernels=("interface",), packed_sequences=True)
+    d = plan(CPU_NO_BF16, no_sdpa, "auto")["attention"]
+    assert d.applied == "eager" and "not sdpa_varlen, sdpa: NoSdpaForCausalLM has no sdpa support" in d.reason
+    capped = ModelInfo(architecture="Gemma3ForCausalLM", block_class="Block", num_blocks=2,
+                       attention_kernels=("sdpa", "interface"), packed_sequences=True, attention_softcap=30.0)
+    assert plan(CPU_NO_BF16, capped, "auto")["attention"].applied == "eager"
+
+
+def test_softcapped_model_trains_eager_with_padding_free_rows(make_args, tokenizer, collator):
+    from hf_speedup.tiny import make_dataset
+
+    trainer = SpeedupTrainer(model=softcapped_gemma2(), args=make_args(max_steps=1), data_collator=collator,
+                             train_dataset=make_dataset(tokenizer, n=16, seed=0), speedup="auto")
+    state = trainer.speedup_status["attention"]
+    assert state.engaged and state.applied == "eager" and not state.fallbacks
+    assert trainer.model.config._attn_implementation == "eager"
+
+
+def test_sdpa_varlen_refuses_a_softcap_it_cannot_apply():
+    import torch
+
+    from hf_speedup.features import sdpa_varlen
+
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"sdpa_varlen: Module caps its attention logits \(softcap\).*fix: set "
+                                         r"attention\.implementation: eager"):
+        sdpa_varlen.attention_forward(torch.nn.Module(), q, q, q, None, softcap=50.0,
+                                      position_ids=torch.arange(4).unsqueeze(0))

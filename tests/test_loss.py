@@ -303,13 +303,10 @@ def test_memory_preset_engages_on_the_live_model(make_args, dataset, collator):
     assert trainer.model_accepts_loss_kwargs  # the Trainer still passes num_items_in_batch
 
 
-def test_probe_that_disagrees_uninstalls_and_reports(make_args, dataset, collator):
-    """A model that transforms its logits between lm_head and the loss (no config flag says so): the probe
-    sees the chunked loss differ, puts the stock loss back and reports it."""
+def tanh_logits_llama():
+    """A causal LM that transforms its logits between lm_head and the loss (no config flag says so)."""
     from transformers import LlamaForCausalLM
     from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    from hf_speedup import SpeedupTrainer
 
     class TanhLogits(LlamaForCausalLM):
         def forward(self, input_ids=None, labels=None, **kwargs):
@@ -319,7 +316,14 @@ def test_probe_that_disagrees_uninstalls_and_reports(make_args, dataset, collato
                 if labels is not None else None
             return CausalLMOutputWithPast(loss=loss, logits=logits)
 
-    model = TanhLogits(small_llama().config)
+    return TanhLogits(small_llama().config)
+
+
+def test_probe_that_disagrees_uninstalls_and_reports(make_args, dataset, collator):
+    """The probe sees the chunked loss differ, puts the stock loss back and reports it."""
+    from hf_speedup import SpeedupTrainer
+
+    model = tanh_logits_llama()
     trainer = SpeedupTrainer(model=model, args=make_args(max_steps=1), train_dataset=dataset, data_collator=collator,
                              speedup={"base": "baseline", "loss": {"chunked": True}})
     state = trainer.speedup_status["loss"]
@@ -396,3 +400,46 @@ def test_steps_that_bypass_the_chunked_loss_are_caught_and_a_resume_is_not_taken
     trainer.state.global_step = 14  # four steps, none through the chunked forward
     engaged, why = loss_feature.verify(decision, trainer, outcome)
     assert not engaged and "but none of 4 training steps took it" in why
+
+
+def test_a_withdrawn_loss_never_reads_as_applied_in_the_final_report(make_args, dataset, collator):
+    """Planned, then taken out by its check forward: after training the report says withdrawn, and why."""
+    from hf_speedup import SpeedupTrainer
+
+    trainer = SpeedupTrainer(model=tanh_logits_llama(), args=make_args(max_steps=2), train_dataset=dataset,
+                             data_collator=collator, speedup={"base": "baseline", "loss": {"chunked": True}})
+    trainer.train()
+    entry = trainer.speedup_report.to_dict()["plan"]["loss"]
+    assert (entry["applied"], entry["engaged"]) == ("withdrawn", False)
+    assert "verified: withdrawn after planning: MISMATCH: chunked loss" in entry["reason"]
+    assert entry["settings"]["withdrawn"].endswith("uninstalled, the stock loss is back")
+
+
+def test_a_loss_that_cannot_be_installed_reads_as_withdrawn(make_args, dataset, collator):
+    """Planned for a causal LM whose head apply then finds it cannot serve (a head that is not nn.Linear)."""
+    from hf_speedup import SpeedupTrainer
+
+    model = small_llama()
+    model.lm_head = torch.nn.Sequential(model.lm_head)
+    trainer = SpeedupTrainer(model=model, args=make_args(max_steps=1), train_dataset=dataset, data_collator=collator,
+                             speedup={"base": "baseline", "loss": {"chunked": True}})
+    entry = trainer.speedup_report.to_dict()["plan"]["loss"]
+    assert (entry["applied"], entry["engaged"]) == ("withdrawn", False)
+    assert "withdrawn after planning: not installed: the output head is Sequential" in entry["reason"]
+
+
+@pytest.mark.parametrize("head", ["BertForMaskedLM", "LlamaForSequenceClassification"])
+def test_planned_only_for_a_causal_lm_head(head):
+    """The chunked loss replaces a causal LM's lm_head and shifted cross-entropy: elsewhere it is not applicable
+    (not a fallback), said up front."""
+    import transformers
+
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64)
+    config = (transformers.BertConfig(**sizes) if head.startswith("Bert") else
+              transformers.LlamaConfig(**sizes, num_labels=3, pad_token_id=0))
+    model = getattr(transformers, head)(config)
+    d = build_plan("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
+    assert d.applied == "off" and d.fallbacks == ()
+    kind = "a masked-LM head" if head.startswith("Bert") else "a sequence-classification head"
+    assert d.reason == (f"not applicable: {head} has {kind}; the chunked loss replaces a causal LM's lm_head and "
+                        "shifted cross-entropy (the stock loss is kept)")

@@ -10,7 +10,10 @@ transformers' own switch (``set_attn_implementation``) and read back from the li
 - CPU otherwise: ``sdpa``; ``eager`` only where a model has nothing better.
 
 ``flex_attention`` is taken only when asked for, and never for CPU training (torch has no CPU backward for
-it). A kernel asked for that cannot run here falls back along the same ranking, listed in ``fallbacks``;
+it). The model's own features count: ``sdpa`` and ``sdpa_varlen`` need the class's ``_supports_sdpa`` and no
+attention-logit softcapping (Gemma 2's ``attn_logit_softcapping``: SDPA cannot apply it, flash-attention and
+flex_attention can); ``sdpa_varlen`` also needs full (not sliding-window) attention; the flash kernels need
+``_supports_flash_attn``, ``flex_attention`` ``_supports_flex_attn``. A kernel asked for that cannot run here falls back along the same ranking, listed in ``fallbacks``;
 with ``attention.strict`` it is an error instead. ``keep`` (the baseline) leaves the model's own choice.
 """
 
@@ -85,15 +88,19 @@ def usable(name: str, caps, info, dtype: str, packed: bool) -> tuple[bool, str]:
         if caps.device_type == "cpu":
             return False, "torch's flex_attention has no backward on CPU, so it cannot train here"
         return True, ""
+    if name in ("sdpa", "sdpa_varlen"):
+        cap = getattr(info, "attention_softcap", None)
+        if cap:
+            return False, (f"{info.architecture} caps its attention logits (attn_logit_softcapping={cap:g}), which "
+                           "torch's scaled_dot_product_attention cannot apply")
+        if "sdpa" not in kernels:
+            return False, f"{info.architecture} has no sdpa support (_supports_sdpa is False)"
     if name == "sdpa_varlen":
         if caps.device_type != "cpu":
             return False, f"sdpa_varlen runs torch's CPU flash kernel; this is {caps.device_type}"
         if getattr(info, "sliding_window", None):
             return False, (f"{info.architecture} attends within a sliding window of {info.sliding_window} tokens; "
                            "sdpa_varlen computes full causal attention per sequence")
-        return True, ""
-    if name == "sdpa" and "sdpa" not in kernels:
-        return False, f"{info.architecture} has no sdpa support"
     return True, ""
 
 
@@ -157,7 +164,7 @@ def decide(ctx: PlanContext) -> Decision:
         if ok:
             chosen = name
             break
-        skipped.append(f"{name}: {why}")
+        skipped.append((name, why))
     else:  # eager is always usable
         chosen = "eager"
     fallbacks = [f.format(chosen=chosen) for f in fallbacks]
@@ -165,7 +172,10 @@ def decide(ctx: PlanContext) -> Decision:
         logger.warning("hf_speedup attention fallback: %s", fb)
     reason = f"{chosen}: {WHY[chosen]}"
     if asked == "auto" and skipped:
-        reason += f" (not {'; not '.join(skipped)})"
+        grouped: dict[str, list[str]] = {}  # one reason once: "not sdpa_varlen, sdpa: ..."
+        for name, why in skipped:
+            grouped.setdefault(why, []).append(name)
+        reason += " (not " + "; not ".join(f"{', '.join(names)}: {why}" for why, names in grouped.items()) + ")"
     if packed and chosen in ("sdpa", "eager"):
         reason += "; padding-free rows separated by a block-diagonal mask (the model's cache is kept off for them)"
     if current == chosen:

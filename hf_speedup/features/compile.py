@@ -89,6 +89,12 @@ def decide(ctx: PlanContext) -> Decision:
         why = ("no repeated decoder block found (neither _no_split_modules nor a homogeneous ModuleList); "
                "regional compile has nothing to compile")
         return _off(requested, why, settings, [f"compile: {why}"] if explicit else [])
+    lora = ctx.decisions.get("lora")
+    if lora is not None and lora.active and getattr(lora.settings, "target_parameters", ()):
+        why = ("LoRA on the experts' fused weights (peft's lora.ParamWrapper) registers a parametrization at every "
+               "forward: dynamo would recompile the blocks at each step until its recompile_limit, then run them "
+               "eager (peft advises against compiling with target_parameters)")
+        return _off(requested, why, settings, [f"compile: {why}"] if explicit else [])
     if requested == "auto" and not caps.is_cuda:
         return _off(requested, f"auto: off on {caps.device_type} (a cold compile costs tens of seconds for small "
                     "gains here); use preset 'fast' for compiled blocks on CPU", settings)

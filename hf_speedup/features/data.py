@@ -215,9 +215,10 @@ def _padding_free(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
             return None, why, [why]
         return "trainer", (f"padding-free rows: {type(args).__name__}.padding_free=True (the trainer's own "
                            "collator flattens each batch into one row, position_ids restart per sequence)"), []
+    note = f"; but {info.miscounted_loss}" if info is not None and info.miscounted_loss else ""
     return "collator", ("padding-free rows: each batch becomes one row of its sequences (position_ids restart per "
                         "sequence, no attention_mask, no padding token computed); same per-sequence logits and "
-                        "loss as padded batches"), []
+                        "loss as padded batches" + note), []
 
 
 def decide(ctx: PlanContext) -> Decision:

@@ -12,6 +12,8 @@ eval mode, or without labels, the model is exactly the stock one (metrics and ge
 
 - ``chunked: auto`` stays off here: the memory-budget plan turns it on when the logits do not fit;
   ``true`` turns it on, ``false`` keeps the stock loss.
+- Only a causal-LM head has that loss: a masked LM, a classifier or any other head gets ``applied: off`` with a
+  "not applicable: ..." reason, decided up front.
 - Where the ``liger`` feature is on (CUDA, ``liger-kernel`` installed), Liger's fused linear cross-entropy
   (Triton) does the same job; the chunked loss then stays out (one of the two), with that reason.
 - Not combined with FSDP (the sharded head weight would be read outside its module's forward) nor with
@@ -21,7 +23,8 @@ Engagement rule: ``engaged`` is True iff the live model has the chunked path ins
 forward in training mode with labels took it (``logits`` None) and gave the stock loss (fp32: relative
 1e-4); after training steps, also iff the training forwards took it (a trainer that computes its loss
 another way, e.g. TRL's fused head, leaves it unused: not engaged). A probe that disagrees with the stock
-loss uninstalls it (stock loss restored, reported).
+loss, or fails, uninstalls it (stock loss restored); so does a head apply finds it cannot serve. From then on the
+report reads ``applied: withdrawn``, ``engaged: false``, with the reason, never as applied.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blocks import unwrap_model
+from ..model_parts import HEAD_NAMES
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 from .chunked_cross_entropy import IGNORE_INDEX, install, installed_state, uninstall, unsupported_reason
 from .probe import eager_train_mode, steps_trained
@@ -67,6 +71,12 @@ def decide(ctx: PlanContext) -> Decision:
         return Decision(NAME, requested, OFF, settings=Settings(),
                         reason=f"{who} already computes the loss without the full logits: the chunked loss stays out "
                                "(one of the two)")
+    info = ctx.model
+    if info is not None and info.head != "causal_lm":
+        return Decision(NAME, requested, OFF, settings=Settings(),
+                        reason=f"not applicable: {info.architecture} has {HEAD_NAMES.get(info.head, info.head)}; the "
+                               "chunked loss replaces a causal LM's lm_head and shifted cross-entropy (the stock "
+                               "loss is kept)")
     blocker = _blocker(ctx)
     if blocker:
         logger.warning("hf_speedup loss fallback: %s", blocker)
@@ -118,14 +128,16 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
 
 def _not_applied(outcome: Outcome, why: str) -> None:
     logger.warning("hf_speedup loss: chunked loss not applied: %s", why)
-    outcome.applied = OFF
     outcome.fallbacks.append(f"chunked: {why}")
+    outcome.withdraw(f"not installed: {why}; the stock loss is kept")
 
 
 # ------------------------------------------------------------------------------------------- verify
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if not decision.settings.chunked:
         return False, decision.reason
+    if outcome.withdrawn:
+        return False, f"withdrawn after planning: {outcome.withdrawn}"
     model = trainer.model
     state = installed_state(model)
     if state is None:
@@ -148,6 +160,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         text = (f"a probe forward with labels failed ({type(exc).__name__}: {first}), so the chunked loss could not "
                 "be checked against the stock one: uninstalled, the stock loss is back")
         outcome.fallbacks.append(f"chunked: {text}")
+        outcome.withdraw(text)
         logger.warning("hf_speedup loss: %s", text)
         return False, text
     rel = abs(chunked - stock) / max(abs(stock), 1e-12)
@@ -160,6 +173,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         text = (f"MISMATCH: chunked loss {chunked:.6g} vs stock {stock:.6g} on a probe (relative {rel:.1e} > "
                 f"{tol:g}): uninstalled, the stock loss is back")
         outcome.fallbacks.append(f"chunked: {text}")
+        outcome.withdraw(text)
         logger.warning("hf_speedup loss: %s", text)
         return False, text
     return True, (f"{what} on the live model: a probe forward with labels took it (logits None) and matched the "

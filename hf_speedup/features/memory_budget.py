@@ -208,9 +208,12 @@ class _Trial:
 
 
 def loss_would_chunk(ctx: PlanContext, cfg: SpeedupConfig) -> bool:
-    """The loss feature decides after the budget: chunked unless FSDP or a compiled stock head stand in the way."""
+    """The loss feature decides after the budget: chunked unless FSDP, a compiled stock head or a head other than
+    a causal LM's stand in the way."""
     loss = getattr(cfg, "loss", None)
     if loss is None or loss.chunked is not True:
+        return False
+    if ctx.model is not None and ctx.model.head != "causal_lm":
         return False
     fsdp, comp = ctx.decisions.get("fsdp"), ctx.decisions.get("compile")
     if fsdp is not None and fsdp.active:
@@ -250,7 +253,8 @@ def _levels(trial: _Trial) -> list[tuple[str, dict, str | None]]:
         chunk = {**changes, "loss.chunked": True}
         ok = loss_would_chunk(ctx, trial.config(chunk))
         levels.append(("+ chunked cross-entropy", chunk if ok else dict(changes),
-                       None if ok else "the loss cannot be chunked here (FSDP, or a compiled stock head)"))
+                       None if ok else "the loss cannot be chunked here (FSDP, a compiled stock head, or not a "
+                                                  "causal-LM head)"))
     return levels
 
 

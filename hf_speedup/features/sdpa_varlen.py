@@ -123,6 +123,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """transformers' attention signature; (B, T, H, D) output like ``sdpa_attention_forward``."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    if kwargs.get("softcap") is not None:  # as transformers' sdpa: the cap would be silently left out
+        raise ValueError(f"attention sdpa_varlen: {type(module).__name__} caps its attention logits (softcap), which "
+                         "scaled_dot_product_attention cannot apply; fix: set attention.implementation: eager")
     position_ids = kwargs.get("position_ids")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_len = query.shape[2]
