@@ -222,7 +222,8 @@ def test_the_presets_drop_last_never_reaches_the_arguments_evaluation_reads(make
 
 
 def test_explicit_pin_memory_false_wins_over_the_preset_on_cuda(make_args):
-    args = make_args(dataloader_pin_memory=False)  # differs from the default: an explicit choice
+    # differs from the default: an explicit choice (use_cpu would turn pinning off itself, whoever asked)
+    args = make_args(dataloader_pin_memory=False, use_cpu=False)
     d = build_plan("auto", caps=fake_caps(**CUDA_H100), args=args)["data"]
     assert "dataloader_pin_memory" not in data.training_args(d, args)
     assert "pin_memory: kept your TrainingArguments.dataloader_pin_memory=False" in d.reason
