@@ -10,6 +10,7 @@ from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset
 from hf_speedup import build_plan as build
 from hf_speedup.features import compile as rc
 from hf_speedup.features import compile_payback
+from hf_speedup.features.compile_payback import DECLINED
 
 # dynamic: one graph for every padded length, so any recompile below would be the accounting's, not the shapes'
 PAYS_BACK = {"compile": {"enabled": True, "backend": "eager", "mode": None, "dynamic": True, "when": "pays_back"}}
@@ -43,6 +44,8 @@ def test_a_run_that_cannot_earn_the_compile_back_stays_eager(tiny_model, make_ar
     assert any("would not pay back" in note for note in status.outcome.notes)
     assert any("would not pay back" in r.getMessage() for r in caplog.records)  # logged, not silent
     assert trainer.speedup_report.to_dict()["metrics"]["compiled_regions"] == 0
+    # never reads as applied: the report's applied says the blocks ran eager
+    assert status.applied == DECLINED and trainer.speedup_report.to_dict()["plan"]["compile"]["applied"] == DECLINED
 
 
 def test_a_run_that_earns_it_back_compiles_after_the_timed_steps(tiny_model, make_args, dataset, collator,
@@ -125,6 +128,7 @@ def test_a_declined_verdict_is_taken_again_by_the_next_train(tiny_model, make_ar
     assert [r.calls for r in blocks] == [7] * len(blocks)  # 10 steps: 3 eager (1 warm-up + 2 timed), then compiled
     notes = [n for n in trainer.speedup_status["compile"].outcome.notes if "pays_back" in n]
     assert len(notes) == 1 and "compiling from the next step: 7 step(s) left" in notes[0]
+    assert trainer.speedup_status["compile"].applied == trainer.speedup_plan["compile"].applied  # compiled after all
 
 
 def test_the_profile_window_opens_after_the_timed_steps_and_the_compile(tiny_model):

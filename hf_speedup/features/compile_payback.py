@@ -47,6 +47,9 @@ def compile_cost_text(device_type: str, static_shapes: bool) -> str:
     return f"a cold compile (~{cost:.0f} s)"
 
 
+DECLINED = "eager (compile declined: it would not pay back)"  # Outcome.applied after a declined verdict
+
+
 class CompileGate:
     """Whether the guarded regions of one model run compiled yet; shared by all of them."""
 
@@ -105,6 +108,8 @@ class PaybackCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.ends = []
+        if self.outcome.applied == DECLINED:
+            self.outcome.applied = None  # taken again below
         self._gate = (None, None)
         gate = self._current_gate()
         if gate is not None:
@@ -131,4 +136,6 @@ class PaybackCallback(TrainerCallback):
             self.outcome.notes.remove(self.verdict)
         self.verdict = verdict
         self.outcome.notes.append(verdict)
+        # a declined compile never reads as applied: the blocks run eager until a later train() reconsiders
+        self.outcome.applied = DECLINED if gate.declined else None
         (logger.warning if gate.declined else logger.info)("hf_speedup: %s", verdict)
