@@ -152,6 +152,13 @@ class InterruptSettings:
 
 
 @dataclass
+class SafeCheckpointsSettings:
+    """Checkpoints written in a staging folder and renamed into place when complete; resume skips incomplete ones."""
+
+    enabled: bool = True  # false: in place, as the stock Trainer writes them (file systems without atomic rename)
+
+
+@dataclass
 class AttentionSettings:
     """The attention kernel (``config._attn_implementation``), chosen per device, dtype and packing."""
 
@@ -180,6 +187,7 @@ SECTIONS: dict[str, type] = {
     "loss": LossSettings,
     "profile": ProfileSettings,
     "interrupt": InterruptSettings,
+    "safe_checkpoints": SafeCheckpointsSettings,
 }
 
 # field -> (allowed values, example fix). Fields not listed are checked by type only.
@@ -217,7 +225,7 @@ BOOLS = {
     "precision.strict", "compile.fullgraph", "optimizer.strict", "memory.expandable_segments",
     "memory.cpu_reuse_freed", "lora.enabled", "lora.strict", "fsdp.enabled", "fsdp.cpu_offload",
     "fsdp.cpu_ram_efficient_loading", "profile.enabled", "profile.record_shapes", "profile.profile_memory",
-    "profile.with_stack", "profile.memory_snapshot", "attention.strict",
+    "profile.with_stack", "profile.memory_snapshot", "attention.strict", "safe_checkpoints.enabled",
 }
 OPTIONAL_BOOLS = {"data.pin_memory", "data.persistent_workers", "data.drop_last", "data.packing"}
 
@@ -245,6 +253,7 @@ class SpeedupConfig:
     loss: LossSettings = field(default_factory=LossSettings)
     profile: ProfileSettings = field(default_factory=ProfileSettings)
     interrupt: InterruptSettings = field(default_factory=InterruptSettings)
+    safe_checkpoints: SafeCheckpointsSettings = field(default_factory=SafeCheckpointsSettings)
 
     # ----------------------------------------------------------------- validation
     def problems(self) -> list[str]:

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import (attention, checkpointing, compile, data, fsdp, interrupt, liger, lora, loss, memory, optimizer,
-               precision, profile)
+               precision, profile, safe_checkpoints)
 
 FEATURES = (precision, lora, fsdp, checkpointing, data, attention, compile, optimizer, memory, liger, loss, profile,
-            interrupt)
+            interrupt, safe_checkpoints)
 
 
 @dataclass
