@@ -44,8 +44,8 @@ from . import checkpoint_files as files
 NAME = "safe_checkpoints"
 APPLIES_TO = "train"
 APPLIED = "staged-rename"
-STOCK_TRAINER = "the stock Trainer writes checkpoints in place"  # what training_arguments() users get: noted,
-STOCK_TRAINER_WARNS = False  # not warned: a safety net, not an acceleration the preset asked for
+STOCK_TRAINER = "the stock Trainer writes checkpoints in place"  # what training_arguments() users get instead:
+STOCK_TRAINER_WARNS = False  # logged at INFO, not warned (a safety net, not an acceleration a preset asks for)
 logger = logging.getLogger("hf_speedup")
 
 

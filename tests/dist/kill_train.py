@@ -300,6 +300,20 @@ def _fork(ns, kill_after: float | None = None) -> int:
     return os.waitpid(pid, 0)[1]
 
 
+def _incomplete(folder: Path) -> list[str]:
+    """What a kill left that a resume must not pick: staging folders, checkpoint-N without a readable state."""
+    out = []
+    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if re.match(r"^_checkpoint-\d+\.staging$", p.name):
+            out.append(p.name)
+        elif re.match(r"^checkpoint-\d+$", p.name):
+            try:
+                json.loads((p / "trainer_state.json").read_text())
+            except (OSError, ValueError):
+                out.append(p.name)
+    return out
+
+
 def _read(out: Path, tag: str) -> dict:
     path = out / f"{tag}.rank0.json"
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -359,7 +373,9 @@ def sweep(ns) -> int:
         base = argparse.Namespace(**{**vars(ns), "preset": preset, "kill_at": None, "kill_where": None, "resume": False, "sigterm_at": None,
                                      "output_dir": None, "record": True})
         full_tag = f"{preset}-{ns.trainer}-full"
+        started = time.monotonic()
         _fork(argparse.Namespace(**{**vars(base), "tag": full_tag}))
+        duration = time.monotonic() - started  # random kills land within an uninterrupted run's length
         full = _read(out, full_tag)
         if full.get("error") or "digest" not in full:
             rows.append({"preset": preset, "point": "uninterrupted", "error": full.get("error", "no result")})
@@ -369,7 +385,8 @@ def sweep(ns) -> int:
         points = [(f"w{w[0]}", w, None) for w in writes] if "all" in kinds else []
         points += [(f"w{w[0]}", w, None) for w in _named(writes)] if "named" in kinds else []
         points += [("sigterm", None, None)] if "sigterm" in kinds and ns.sigterm_at else []
-        points += [(f"t{i}", None, rng.uniform(ns.min_delay, ns.max_delay)) for i in range(ns.random_kills)]
+        points += [(f"t{i}", None, rng.uniform(ns.min_delay, ns.max_delay or duration))
+                   for i in range(ns.random_kills)]
         for name, write, delay in points:
             tag = f"{preset}-{ns.trainer}-{name}"
             target = out / tag
@@ -381,6 +398,7 @@ def sweep(ns) -> int:
             status = _fork(killed, kill_after=delay)
             killed_by = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
             left = sorted(str(p.relative_to(target)) for p in target.rglob("*")) if target.is_dir() else []
+            incomplete = _incomplete(target)
             resumed_tag = tag + "-resumed"
             _fork(argparse.Namespace(**{**vars(base), "tag": resumed_tag, "output_dir": str(target), "record": False,
                                         "resume": True}))
@@ -391,6 +409,7 @@ def sweep(ns) -> int:
                 "write": write, "delay_s": round(delay, 3) if delay else None,
                 "killed_by": signal.Signals(killed_by).name if killed_by else None,
                 "left_on_disk": left[:200],
+                "incomplete_left": incomplete,
                 "resume_asked": res.get("resume_asked"),
                 "resumed_from": entry.get("resumed_from"),
                 "set_aside": entry.get("set_aside"),
@@ -430,7 +449,7 @@ def main(argv=None) -> int:
     p.add_argument("--save-step", type=int, default=4, help="sweep: kill inside each write of this step's save")
     p.add_argument("--random-kills", type=int, default=0, help="sweep: also N kills after random delays")
     p.add_argument("--min-delay", type=float, default=0.5)
-    p.add_argument("--max-delay", type=float, default=8.0)
+    p.add_argument("--max-delay", type=float, default=None, help="default: the uninterrupted run's duration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", action="store_true", help="sweep: keep each point's output folder")
     ns = p.parse_args(argv)
