@@ -32,6 +32,7 @@ Engagement rule: ``engaged`` is True iff the trainer's class has :class:`SafeChe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -175,6 +176,18 @@ def _newest(run_dir: str, requested: str | None) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------- save
+@contextlib.contextmanager
+def _discarded_on_error(root: str, run_dir: str, writer: bool):
+    """A save that raises (a full disk, a KeyboardInterrupt) will never be complete: its staging folder is
+    removed by the saving process, which frees its space, and the error goes on as the Trainer raised it."""
+    try:
+        yield
+    except BaseException as exc:
+        if writer:
+            files.discard_staging(root, run_dir, f"the save failed: {type(exc).__name__}: {exc}", keep=False)
+        raise
+
+
 class SafeCheckpointsMixin:
     """The Trainer methods a staged save needs; pass-throughs when the feature is off."""
 
@@ -210,11 +223,8 @@ class SafeCheckpointsMixin:
         self._speedup_best_as_stock(run_dir, step)
         self._speedup_staging, self._speedup_deferred_push = root, False
         try:
-            super()._save_checkpoint(model, trial)
-        except BaseException as exc:
-            if writer:  # a full disk, a KeyboardInterrupt: the checkpoint will never be complete; free its space
-                files.discard_staging(root, run_dir, f"the save failed: {type(exc).__name__}: {exc}", keep=False)
-            raise
+            with _discarded_on_error(root, run_dir, writer):
+                super()._save_checkpoint(model, trial)
         finally:
             self._speedup_staging = None
         staged = os.path.join(root, name)
@@ -226,7 +236,8 @@ class SafeCheckpointsMixin:
         self.accelerator.wait_for_everyone()  # every rank's part (shards, RNG state) is written
         if writer:
             started = time.perf_counter()
-            files.commit(root, name, run_dir)
+            with _discarded_on_error(root, run_dir, writer):  # fsync may report a full disk too
+                files.commit(root, name, run_dir)
             outcome.facts["commit_seconds"] = round(time.perf_counter() - started, 4)
             if self._speedup_deferred_push:
                 super()._push_from_checkpoint(final)

@@ -190,7 +190,7 @@ class _HalfWriter:
 
 
 # ------------------------------------------------------------------------------------------ the run
-def build_trainer(ns, out_dir: Path):
+def build_trainer(ns, out_dir: Path, from_checkpoint: bool = False):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_speedup.tiny import causal_lm_collator, char_tokenizer, make_dataset, tiny_llama
@@ -206,9 +206,10 @@ def build_trainer(ns, out_dir: Path):
                              max_steps=ns.max_steps, learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True,
                              save_strategy="steps", save_steps=ns.save_steps, save_total_limit=ns.save_total_limit,
                              seed=0, dataloader_num_workers=0, disable_tqdm=True)
-    # a resumed run starts from other weights (LoRA: the same base, other adapters): they must come from the checkpoint
+    # a resumed run starts from other weights (LoRA: the same base, other adapters): they must come from the
+    # checkpoint; a requeued job that finds no checkpoint starts afresh, as the first run did
     lora = "lora" in ns.preset
-    model = tiny_llama(seed=1 if ns.resume and not lora else 0, **MODEL)
+    model = tiny_llama(seed=1 if from_checkpoint and not lora else 0, **MODEL)
     if ns.trainer == "stock":
         return Trainer(model=model, args=args, train_dataset=ds, data_collator=causal_lm_collator(tok),
                        callbacks=[Sigterm()])
@@ -241,11 +242,11 @@ def run(ns) -> int:
                     ns.kill_where if _rank() == ns.kill_rank else None)
     trainer = None
     try:
-        trainer = build_trainer(ns, out_dir)
         resume = None
         if ns.resume and out_dir.is_dir() and get_last_checkpoint(str(out_dir)) is not None:
             resume = True
         res["resume_asked"] = resume
+        trainer = build_trainer(ns, out_dir, from_checkpoint=bool(resume))
         if ns.kill_at is not None or ns.kill_where or ns.record:
             writes.install()
         try:
