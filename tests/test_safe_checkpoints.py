@@ -349,3 +349,15 @@ def test_transformers_jit_checkpoint_goes_through_the_staged_save(tmp_path, make
     [checkpoint] = tmp_path.glob("*checkpoint*")  # no staging folder left
     assert files.step_of(str(checkpoint)) == 3 and files.problem(str(checkpoint)) is None
     assert not (checkpoint / files.JIT_SENTINEL).exists()
+
+
+def test_a_second_saving_process_on_a_shared_file_system_finds_the_commit_done(tmp_path):
+    """``save_on_each_node`` with a shared file system: every node's saving process commits the same folder;
+    the first renames it, the next ones leave it (they must not move the fresh checkpoint away as a stale one)."""
+    root = Path(files.staging_root(str(tmp_path), 4))
+    (root / "checkpoint-4").mkdir(parents=True)
+    (root / "checkpoint-4" / "trainer_state.json").write_text("{}")
+    assert files.commit(str(root), "checkpoint-4", str(tmp_path)) == str(tmp_path / "checkpoint-4")
+    assert files.commit(str(root), "checkpoint-4", str(tmp_path)) == str(tmp_path / "checkpoint-4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
+    assert (tmp_path / "checkpoint-4" / "trainer_state.json").is_file()

@@ -241,7 +241,10 @@ def fsync_tree(root: str) -> None:
     """Every file, then every folder, bottom up: the bytes before the names that point at them."""
     for folder, _, files in os.walk(root, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            except FileNotFoundError:  # another node's saving process renamed the folder meanwhile
+                continue
             try:
                 os.fsync(fd)
             finally:

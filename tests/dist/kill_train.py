@@ -7,19 +7,21 @@ tests/test_safe_checkpoints.py, tests/test_safe_checkpoints_distributed.py and b
 
 The run: the tiny Llama, ``save_steps=2``, ``save_total_limit=2``, 8 steps (checkpoints 2, 4, 6, 8; the save
 of step 6 rotates checkpoint-2 away). ``--sigterm-at STEP`` sends SIGTERM to the process at the end of that
-step (the interrupt feature then saves ``checkpoint-STEP``). Every write into ``output_dir`` is counted (``torch.save``, safetensors'
-``save_file``, ``open`` for writing, ``os.rename``/``os.replace``, ``shutil.rmtree``); at the K-th (or the first
-whose path relative to ``output_dir`` matches REGEX) the process writes half of the bytes (removes half of the
-files, for ``rmtree``; nothing, for a rename) and sends itself SIGKILL. ``--resume`` resumes as a requeued job
-does: ``train(resume_from_checkpoint=True)`` when ``get_last_checkpoint(output_dir)`` finds a checkpoint, else
-from scratch. Every rank writes ``DIR/TAG.rank<R>.json``: losses, a digest of the final weights, the
-``safe_checkpoints`` report entry, the writes it counted, or the exception a resume died of.
+step (the interrupt feature then saves ``checkpoint-STEP``). Every write into ``output_dir`` is counted
+(``torch.save``, safetensors' ``save_file``, ``open`` for writing, ``os.rename``/``os.replace``,
+``shutil.rmtree``); at the K-th (or the first whose path relative to ``output_dir`` matches REGEX) the process
+writes half of the bytes (removes half of the files, for ``rmtree``; nothing, for a rename) and sends itself
+SIGKILL. ``--resume`` resumes as a requeued job does: ``train(resume_from_checkpoint=True)`` when
+``get_last_checkpoint(output_dir)`` finds a checkpoint, else from scratch. Every rank writes
+``DIR/TAG.rank<R>.json``: losses, a digest of the final weights, the ``safe_checkpoints`` report entry, the
+writes it counted, or the exception a resume died of.
 
 ``--sweep`` imports torch and transformers once and forks one process per run (each a fresh training process,
-so a SIGKILL ends a real run): an uninterrupted run per preset that records its writes, then for every write
-of the save of ``--save-step`` and of the rotation after it, a run killed inside that write and a resume of its
-output folder. ``DIR/sweep.json`` lists each kill point with how the resume ended. ``--kill-after SECONDS``
-(sweep: ``--random-kills N``) kills from outside after a delay instead, as a scheduler or the OOM killer does.
+so a SIGKILL ends a real run): an uninterrupted run per preset that records its writes, then for each kill
+point a run killed there and a resume of its output folder. ``--points``: ``all`` (every write of the save of
+``--save-step`` and of the rotation after it), ``named`` (one write per kind of file), ``sigterm`` (inside the
+interrupt feature's checkpoint); ``--random-kills N`` adds N runs SIGKILLed from outside after a random delay,
+as a scheduler or the OOM killer does. ``DIR/sweep.json`` lists each kill point with how the resume ended.
 """
 
 from __future__ import annotations
