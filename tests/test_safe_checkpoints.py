@@ -361,3 +361,17 @@ def test_a_second_saving_process_on_a_shared_file_system_finds_the_commit_done(t
     assert files.commit(str(root), "checkpoint-4", str(tmp_path)) == str(tmp_path / "checkpoint-4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
     assert (tmp_path / "checkpoint-4" / "trainer_state.json").is_file()
+
+
+def test_a_hub_push_of_the_checkpoint_reads_it_from_its_final_folder(tmp_path, make_args, dataset, collator,
+                                                                      monkeypatch):
+    """transformers uploads the checkpoint in the background: it is handed the renamed, complete folder, not
+    the staging one that the rename empties."""
+    pushed = []
+    monkeypatch.setattr(Trainer, "_push_from_checkpoint",
+                        lambda self, folder: pushed.append((folder, files.problem(folder))))
+    trainer = _trainer(tmp_path, make_args, dataset, collator, max_steps=1, save_strategy="no")
+    trainer.train()
+    trainer.args.push_to_hub = True  # after the Trainer is built: no hub repository is created
+    trainer._save_checkpoint(trainer.model, trial=None)
+    assert pushed == [(str(tmp_path / "checkpoint-1"), None)]
