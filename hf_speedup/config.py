@@ -152,7 +152,7 @@ class InterruptSettings:
 
 
 @dataclass
-class SafeCheckpointsSettings:
+class CrashSafeSettings:
     """Checkpoints written in a staging folder and renamed into place when complete; resume skips incomplete ones."""
 
     enabled: bool = True  # false: in place, as the stock Trainer writes them (file systems without atomic rename)
@@ -187,7 +187,7 @@ SECTIONS: dict[str, type] = {
     "loss": LossSettings,
     "profile": ProfileSettings,
     "interrupt": InterruptSettings,
-    "safe_checkpoints": SafeCheckpointsSettings,
+    "crash_safe": CrashSafeSettings,
 }
 
 # field -> (allowed values, example fix). Fields not listed are checked by type only.
@@ -225,7 +225,7 @@ BOOLS = {
     "precision.strict", "compile.fullgraph", "optimizer.strict", "memory.expandable_segments",
     "memory.cpu_reuse_freed", "lora.enabled", "lora.strict", "fsdp.enabled", "fsdp.cpu_offload",
     "fsdp.cpu_ram_efficient_loading", "profile.enabled", "profile.record_shapes", "profile.profile_memory",
-    "profile.with_stack", "profile.memory_snapshot", "attention.strict", "safe_checkpoints.enabled",
+    "profile.with_stack", "profile.memory_snapshot", "attention.strict", "crash_safe.enabled",
 }
 OPTIONAL_BOOLS = {"data.pin_memory", "data.persistent_workers", "data.drop_last", "data.packing"}
 
@@ -253,7 +253,7 @@ class SpeedupConfig:
     loss: LossSettings = field(default_factory=LossSettings)
     profile: ProfileSettings = field(default_factory=ProfileSettings)
     interrupt: InterruptSettings = field(default_factory=InterruptSettings)
-    safe_checkpoints: SafeCheckpointsSettings = field(default_factory=SafeCheckpointsSettings)
+    crash_safe: CrashSafeSettings = field(default_factory=CrashSafeSettings)
 
     # ----------------------------------------------------------------- validation
     def problems(self) -> list[str]:

@@ -20,7 +20,7 @@ from .compat import replace_args
 from .credentials import redacted_overrides
 from .features import FEATURES, Setup
 from .features.fsdp.trainer_hooks import FsdpTrainerMixin
-from .features.safe_checkpoints import SafeCheckpointsMixin, resolve_resume
+from .features.crash_safe import CrashSafeMixin, resolve_resume
 from .gguf import clear_stale_gguf_quantizer
 from . import inputs
 from .hardware import probe
@@ -33,7 +33,7 @@ from .report.collector import SpeedupCallback
 logger = logging.getLogger("hf_speedup")
 
 
-class SpeedupMixin(FsdpTrainerMixin, SafeCheckpointsMixin):
+class SpeedupMixin(FsdpTrainerMixin, CrashSafeMixin):
     """Gives any ``transformers.Trainer`` subclass ``speedup=`` (a preset name, a SpeedupConfig, a dict or a
     YAML path): ``class MyTrainer(SpeedupMixin, SFTTrainer)``.
 
@@ -118,7 +118,7 @@ class SpeedupMixin(FsdpTrainerMixin, SafeCheckpointsMixin):
         it with a checkpoint of the current step and :class:`~hf_speedup.features.interrupt.TrainingInterrupted`).
 
         ``resume_from_checkpoint=True`` is resolved to the newest complete checkpoint here (incomplete ones set
-        aside: ``safe_checkpoints``), so the report can carry its counters over from that checkpoint.
+        aside: ``crash_safe``), so the report can carry its counters over from that checkpoint.
         """
         resume_from_checkpoint = resolve_resume(self, resume_from_checkpoint)  # True when none: the Trainer's error
         self.speedup_resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None

@@ -11,7 +11,7 @@ renames a checkpoint to ``_checkpoint-N.deleting`` before it deletes it. On resu
 unfinished save, and a ``checkpoint-N`` that is broken (a stock Trainer's half-written one), is moved into
 ``_incomplete_checkpoints/`` (renamed, never deleted) with the reason.
 
-Pure file-system functions; the Trainer hooks are in ``features/safe_checkpoints.py``.
+Pure file-system functions; the Trainer hooks are in ``features/crash_safe.py``.
 """
 
 from __future__ import annotations
@@ -144,9 +144,9 @@ class SetAside:
         return {"checkpoint": self.checkpoint, "moved_to": self.moved_to, "reason": self.reason}
 
 
-def set_aside(path: str, run_dir: str, reason: str, name: str | None = None) -> SetAside:
-    """Rename ``path`` into ``run_dir/_incomplete_checkpoints/<name>.<UTC time>`` and warn (never deletes)."""
-    name = name or os.path.basename(os.path.normpath(path))
+def set_aside(path: str, run_dir: str, reason: str) -> SetAside:
+    """Rename ``path`` into ``run_dir/_incomplete_checkpoints/<its name>.<UTC time>`` and warn (never deletes)."""
+    name = os.path.basename(os.path.normpath(path))
     folder = os.path.join(run_dir, INCOMPLETE_DIR)
     os.makedirs(folder, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -157,7 +157,7 @@ def set_aside(path: str, run_dir: str, reason: str, name: str | None = None) -> 
         dest = os.path.join(folder, f"{name}.{stamp}-{n}")
     os.rename(path, dest)
     _fsync_dir(run_dir)
-    logger.warning("hf_speedup safe_checkpoints: %s is incomplete (%s): set aside as %s", path, reason, dest)
+    logger.warning("hf_speedup crash_safe: %s is incomplete (%s): set aside as %s", path, reason, dest)
     return SetAside(path, dest, reason)
 
 
@@ -175,7 +175,7 @@ def set_aside_leftovers(run_dir: str) -> list[SetAside]:
         if match is None or not os.path.isdir(path):
             continue
         if match.group(2) == DELETING_SUFFIX:
-            logger.info("hf_speedup safe_checkpoints: removing %s, left by a rotation that was stopped", path)
+            logger.info("hf_speedup crash_safe: removing %s, left by a rotation that was stopped", path)
             shutil.rmtree(path, ignore_errors=True)
             continue
         out.extend(discard_staging(path, run_dir, "its save did not finish (the process was stopped while "
@@ -185,25 +185,23 @@ def set_aside_leftovers(run_dir: str) -> list[SetAside]:
 
 def discard_staging(root: str, run_dir: str, reason: str, keep: bool) -> list[SetAside]:
     """A staging folder whose save will never finish: set aside (``keep``) or deleted (frees a full disk)."""
-    inner = [os.path.join(root, n) for n in sorted(os.listdir(root))] if os.path.isdir(root) else []
     if not keep:
         shutil.rmtree(root, ignore_errors=True)
-        logger.warning("hf_speedup safe_checkpoints: removed the unfinished %s (%s)", root, reason)
+        logger.warning("hf_speedup crash_safe: removed the unfinished %s (%s)", root, reason)
         return []
+    inner = [os.path.join(root, n) for n in sorted(os.listdir(root))] if os.path.isdir(root) else []
     out = [set_aside(p, run_dir, reason) for p in inner if os.path.isdir(p)]
     shutil.rmtree(root, ignore_errors=True)  # empty now (or holding stray files of no checkpoint)
     return out
 
 
 def remove(path: str, run_dir: str) -> None:
-    """Delete a checkpoint so that a kill midway leaves no ``checkpoint-N`` behind: rename, then delete."""
-    step = step_of(path)
-    doomed = os.path.join(run_dir, f"_{checkpoint_name(step)}{DELETING_SUFFIX}") if step is not None else path
-    if doomed != path:
-        if os.path.exists(doomed):
-            shutil.rmtree(doomed, ignore_errors=True)
-        os.rename(path, doomed)
-        _fsync_dir(run_dir)
+    """Delete ``checkpoint-N`` so that a kill midway leaves no ``checkpoint-N`` behind: rename, then delete."""
+    doomed = os.path.join(run_dir, f"_{os.path.basename(os.path.normpath(path))}{DELETING_SUFFIX}")
+    if os.path.exists(doomed):
+        shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    _fsync_dir(run_dir)
     shutil.rmtree(doomed, ignore_errors=True)
 
 

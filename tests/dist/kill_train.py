@@ -1,5 +1,5 @@
 """A training run killed with SIGKILL inside one file write of a checkpoint, then resumed; driven by
-tests/test_safe_checkpoints.py, tests/test_safe_checkpoints_distributed.py and benchmarks/kill_trials.py.
+tests/test_crash_safe.py, tests/test_crash_safe_distributed.py and benchmarks/kill_trials.py.
 
     python tests/dist/kill_train.py --out DIR --tag NAME [--preset P] [--kill-at K | --kill-where REGEX] [--resume]
     python tests/dist/kill_train.py --sweep --out DIR --presets baseline,auto --save-step 4
@@ -13,7 +13,7 @@ step (the interrupt feature then saves ``checkpoint-STEP``). Every write into ``
 writes half of the bytes (removes half of the files, for ``rmtree``; nothing, for a rename) and sends itself
 SIGKILL. ``--resume`` resumes as a requeued job does: ``train(resume_from_checkpoint=True)`` when
 ``get_last_checkpoint(output_dir)`` finds a checkpoint, else from scratch. Every rank writes
-``DIR/TAG.rank<R>.json``: losses, a digest of the final weights, the ``safe_checkpoints`` report entry, the
+``DIR/TAG.rank<R>.json``: losses, a digest of the final weights, the ``crash_safe`` report entry, the
 writes it counted, or the exception a resume died of.
 
 ``--sweep`` imports torch and transformers once and forks one process per run (each a fresh training process,
@@ -268,8 +268,8 @@ def run(ns) -> int:
         res["global_step"] = trainer.state.global_step
     res["writes"] = writes.log
     status = getattr(trainer, "speedup_status", None)
-    if status is not None and "safe_checkpoints" in status:
-        res["safe_checkpoints"] = status["safe_checkpoints"].to_dict()
+    if status is not None and "crash_safe" in status:
+        res["crash_safe"] = status["crash_safe"].to_dict()
     res["files"] = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*")) if out_dir.is_dir() else []
     (out / f"{ns.tag}.rank{_rank()}.json").write_text(json.dumps(res, indent=1, default=str))
     import torch.distributed as dist
@@ -406,7 +406,7 @@ def sweep(ns) -> int:
             _fork(argparse.Namespace(**{**vars(base), "tag": resumed_tag, "output_dir": str(target), "record": False,
                                         "resume": True}))
             res = _read(out, resumed_tag)
-            entry = (res.get("safe_checkpoints") or {}).get("settings", {})
+            entry = (res.get("crash_safe") or {}).get("settings", {})
             rows.append({
                 "preset": preset, "trainer": ns.trainer, "point": name,
                 "write": write, "delay_s": round(delay, 3) if delay else None,

@@ -7,7 +7,7 @@ tensors) until someone deletes it by hand.
 
 How (the Trainer's own save code writes every file; see ``checkpoint_files.py`` for the folders):
 
-- :class:`SafeCheckpointsMixin` (a base of ``SpeedupMixin``) points the Trainer's ``_save_checkpoint`` at
+- :class:`CrashSafeMixin` (a base of ``SpeedupMixin``) points the Trainer's ``_save_checkpoint`` at
   ``<output_dir>/_checkpoint-N.staging/`` through ``_get_output_dir``; when it returns, every rank waits for the
   others (a barrier), then the process that saves (``args.should_save``: the main one, or each node's with
   ``save_on_each_node``) fsyncs the files and renames the folder to ``checkpoint-N``, then rotates: checkpoints
@@ -26,7 +26,7 @@ files); while a save runs its files are under ``_checkpoint-N.staging/``; after 
 holds what was set aside. ``enabled: false`` restores the stock Trainer's in-place writes (for file systems
 without an atomic directory rename: some object-store mounts).
 
-Engagement rule: ``engaged`` is True iff the trainer's class has :class:`SafeCheckpointsMixin` and its
+Engagement rule: ``engaged`` is True iff the trainer's class has :class:`CrashSafeMixin` and its
 ``_save_checkpoint`` and ``_get_output_dir`` resolve through it (a subclass overriding them must call super).
 """
 
@@ -42,7 +42,7 @@ from .. import compat
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 from . import checkpoint_files as files
 
-NAME = "safe_checkpoints"
+NAME = "crash_safe"
 APPLIES_TO = "train"
 APPLIED = "staged-rename"
 STOCK_TRAINER = "the stock Trainer writes checkpoints in place"  # what training_arguments() users get instead:
@@ -59,7 +59,7 @@ class Settings:
 # --------------------------------------------------------------------------------------------- decide
 def decide(ctx: PlanContext) -> Decision:
     settings = Settings(staging=f"_checkpoint-N{files.STAGING_SUFFIX}/checkpoint-N", incomplete=files.INCOMPLETE_DIR)
-    if ctx.config.safe_checkpoints.enabled is False:
+    if ctx.config.crash_safe.enabled is False:
         return Decision(NAME, requested=False, applied=OFF, settings=settings,
                         reason="off: checkpoints are written in place, as the stock Trainer does (a kill during a "
                                "save leaves a checkpoint-N that resume picks and fails on)")
@@ -75,7 +75,7 @@ def training_args(decision: Decision, args) -> dict:
 
 
 def apply(decision: Decision, setup, outcome: Outcome) -> None:
-    """Nothing before the Trainer exists: :class:`SafeCheckpointsMixin` acts when a checkpoint is saved."""
+    """Nothing before the Trainer exists: :class:`CrashSafeMixin` acts when a checkpoint is saved."""
 
 
 # --------------------------------------------------------------------------------------------- verify
@@ -83,13 +83,13 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if not decision.active:
         return False, decision.reason
     cls = type(trainer)
-    if not issubclass(cls, SafeCheckpointsMixin):
-        return False, f"{cls.__name__} lacks SafeCheckpointsMixin: checkpoints are written in place"
+    if not issubclass(cls, CrashSafeMixin):
+        return False, f"{cls.__name__} lacks CrashSafeMixin: checkpoints are written in place"
     saved = outcome.facts.get("committed", 0)
     done = f"; {saved} checkpoint(s) committed this run, the last {outcome.facts.get('last_committed')}" if saved else ""
     for method in ("_save_checkpoint", "_get_output_dir"):
         owner = next(k for k in cls.__mro__ if method in vars(k))
-        if owner is not SafeCheckpointsMixin and not saved:  # an override that may or may not call super()
+        if owner is not CrashSafeMixin and not saved:  # an override that may or may not call super()
             return False, (f"{owner.__name__}.{method} overrides the staged save: engaged once a checkpoint has "
                            "been committed through the staging folder (it must call super())")
     return True, "the trainer's _save_checkpoint writes into a staging folder and renames it when complete" + done
@@ -159,7 +159,7 @@ def resolve_resume(trainer, resume_from_checkpoint):
             f"{os.path.join(run_dir, files.INCOMPLETE_DIR)}: {what}; fix: start without resume_from_checkpoint "
             "(training starts from step 0)")
     if requested is not None and os.path.normpath(chosen) != os.path.normpath(requested):
-        logger.warning("hf_speedup safe_checkpoints: resume_from_checkpoint=%s is incomplete; resuming from %s, "
+        logger.warning("hf_speedup crash_safe: resume_from_checkpoint=%s is incomplete; resuming from %s, "
                        "the newest complete checkpoint of an earlier step", requested, chosen)
     outcome.facts["resumed_from"] = chosen
     return chosen
@@ -188,7 +188,7 @@ def _discarded_on_error(root: str, run_dir: str, writer: bool):
         raise
 
 
-class SafeCheckpointsMixin:
+class CrashSafeMixin:
     """The Trainer methods a staged save needs; pass-throughs when the feature is off."""
 
     _speedup_staging: str | None = None  # the staging folder while _save_checkpoint runs
@@ -276,9 +276,9 @@ class SafeCheckpointsMixin:
             if remaining <= max(limit, len(protected)):
                 break
             if os.path.normpath(checkpoint) not in protected:
-                logger.info("hf_speedup safe_checkpoints: deleting %s (save_total_limit=%d)", checkpoint, limit)
+                logger.info("hf_speedup crash_safe: deleting %s (save_total_limit=%d)", checkpoint, limit)
                 try:
                     files.remove(checkpoint, run_dir)
                 except OSError as exc:  # as the Trainer's rmtree(ignore_errors=True): never ends a run
-                    logger.warning("hf_speedup safe_checkpoints: could not delete %s (%s)", checkpoint, exc)
+                    logger.warning("hf_speedup crash_safe: could not delete %s (%s)", checkpoint, exc)
                 remaining -= 1

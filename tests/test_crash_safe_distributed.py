@@ -58,9 +58,9 @@ def test_a_rank_killed_inside_its_part_of_a_sharded_save_leaves_no_checkpoint_th
     ranks = [_result(tmp_path, "resumed", r) for r in (0, 1)]
     for r, res in enumerate(ranks):
         assert res["error"] is None, (r, res["error"])
-        assert Path(res["safe_checkpoints"]["settings"]["resumed_from"]).name == "checkpoint-2", r
+        assert Path(res["crash_safe"]["settings"]["resumed_from"]).name == "checkpoint-2", r
         assert res["global_step"] == 8, r
-    [moved] = ranks[0]["safe_checkpoints"]["settings"]["set_aside"]
+    [moved] = ranks[0]["crash_safe"]["settings"]["set_aside"]
     assert Path(moved["moved_to"]).parent == run / files.INCOMPLETE_DIR
     assert Path(moved["moved_to"]).name.startswith("checkpoint-4.")
     assert sorted(p.name for p in run.glob("*checkpoint*")) == [files.INCOMPLETE_DIR, "checkpoint-6", "checkpoint-8"]

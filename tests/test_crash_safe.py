@@ -23,7 +23,7 @@ from transformers import Trainer, TrainerCallback
 from conftest import launch_env
 from hf_speedup import SpeedupTrainer
 from hf_speedup.features import checkpoint_files as files
-from hf_speedup.features.safe_checkpoints import SafeCheckpointsMixin
+from hf_speedup.features.crash_safe import CrashSafeMixin
 from hf_speedup.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,12 +136,12 @@ def test_a_full_disk_during_a_save_frees_the_staging_folder_and_the_next_resume_
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]  # staging removed
     resumed = _trainer(out, make_args, dataset, collator, seed=1)
     resumed.train(resume_from_checkpoint=True)
-    assert Path(resumed.speedup_status["safe_checkpoints"].facts["resumed_from"]).name == "checkpoint-2"
+    assert Path(resumed.speedup_status["crash_safe"].facts["resumed_from"]).name == "checkpoint-2"
     assert _losses(resumed) == _losses(reference) and _same_weights(resumed, reference)
 
 
 def test_off_writes_in_place_as_the_stock_trainer_does(tmp_path, make_args, dataset, collator, monkeypatch):
-    """``safe_checkpoints.enabled: false``: the same full disk leaves a half-written checkpoint-4 behind."""
+    """``crash_safe.enabled: false``: the same full disk leaves a half-written checkpoint-4 behind."""
     real_save = torch.save
 
     def full_disk(obj, f, *args, **kwargs):
@@ -151,8 +151,8 @@ def test_off_writes_in_place_as_the_stock_trainer_does(tmp_path, make_args, data
 
     monkeypatch.setattr(torch, "save", full_disk)
     trainer = _trainer(tmp_path, make_args, dataset, collator,
-                       speedup={"base": "baseline", "safe_checkpoints": {"enabled": False}})
-    assert trainer.speedup_status["safe_checkpoints"].to_dict()["engaged"] is False
+                       speedup={"base": "baseline", "crash_safe": {"enabled": False}})
+    assert trainer.speedup_status["crash_safe"].to_dict()["engaged"] is False
     with pytest.raises(OSError, match="No space left on device"):
         trainer.train()
     assert files.problem(str(tmp_path / "checkpoint-4")).startswith("trainer_state.json is missing")
@@ -172,7 +172,7 @@ def test_a_broken_checkpoint_the_stock_trainer_left_is_set_aside_and_reported(
     resumed = _trainer(out, make_args, dataset, collator, seed=1)
     with caplog.at_level("WARNING", logger="hf_speedup"):
         resumed.train(resume_from_checkpoint=True)
-    entry = resumed.speedup_status["safe_checkpoints"].to_dict()
+    entry = resumed.speedup_status["crash_safe"].to_dict()
     assert entry["engaged"] is True
     assert Path(entry["settings"]["resumed_from"]).name == "checkpoint-4"
     [moved] = entry["settings"]["set_aside"]
@@ -180,7 +180,7 @@ def test_a_broken_checkpoint_the_stock_trainer_left_is_set_aside_and_reported(
     assert Path(moved["moved_to"]).parent == out / files.INCOMPLETE_DIR and Path(moved["moved_to"]).is_dir()
     assert "checkpoint-6 is incomplete" in caplog.text and files.INCOMPLETE_DIR in caplog.text
     report = json.loads((out / "speedup_report.json").read_text())
-    assert report["plan"]["safe_checkpoints"]["settings"]["set_aside"] == entry["settings"]["set_aside"]
+    assert report["plan"]["crash_safe"]["settings"]["set_aside"] == entry["settings"]["set_aside"]
     assert _losses(resumed) == _losses(reference) and _same_weights(resumed, reference)
 
 
@@ -242,7 +242,7 @@ def test_an_explicit_incomplete_checkpoint_falls_back_to_the_newest_complete_ear
     resumed = _trainer(out, make_args, dataset, collator, max_steps=6, save_total_limit=None)
     with caplog.at_level("WARNING", logger="hf_speedup"):
         resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
-    facts = resumed.speedup_status["safe_checkpoints"].facts
+    facts = resumed.speedup_status["crash_safe"].facts
     assert Path(facts["resumed_from"]).name == "checkpoint-2"  # not checkpoint-6: newer than the one asked for
     assert [Path(m["checkpoint"]).name for m in facts["set_aside"]] == ["checkpoint-4"]
     assert "resuming from" in caplog.text and "checkpoint-2" in caplog.text
@@ -293,7 +293,7 @@ def test_rotation_keeps_the_checkpoint_just_written_where_the_stock_order_would_
     assert sorted(p.name for p in stock.iterdir()) == ["checkpoint-8"]  # the one just written is gone
     ours = layout(tmp_path / "ours")
     trainer = _trainer(ours, make_args, dataset, collator, save_total_limit=1)
-    assert isinstance(trainer, SafeCheckpointsMixin)
+    assert isinstance(trainer, CrashSafeMixin)
     trainer._speedup_rotate(str(ours), keep=str(ours / "checkpoint-4"))
     assert sorted(p.name for p in ours.iterdir()) == ["checkpoint-4", "checkpoint-8"]
 
