@@ -282,6 +282,18 @@ def args_support_parallelism_config(args_cls=None) -> bool:
     return "parallelism_config" in args_fields(args_cls)
 
 
+def checkpoints_oldest_first(trainer, run_dir: str) -> list[str]:
+    """``run_dir``'s checkpoints in the order the Trainer's rotation deletes them (oldest first, most recent last).
+
+    transformers >= 5 sorts with ``trainer_utils.sort_checkpoints`` (by mtime, falling back to step numbers where
+    mtimes are unreliable); 4.x with the Trainer's ``_sorted_checkpoints`` (by step number)."""
+    try:
+        from transformers.trainer_utils import sort_checkpoints
+    except ImportError:
+        return trainer._sorted_checkpoints(use_mtime=False, output_dir=run_dir)
+    return sort_checkpoints(run_dir, use_mtime=True)
+
+
 def mark_prepared_for_accelerate(model) -> None:
     """Make ``Accelerator.prepare`` hand ``model`` back untouched (no ``.to()``, no DDP wrap, no second autocast).
 

@@ -152,6 +152,13 @@ class InterruptSettings:
 
 
 @dataclass
+class CrashSafeSettings:
+    """Checkpoints written in a staging folder and renamed into place when complete; resume skips incomplete ones."""
+
+    enabled: bool = True  # false: in place, as the stock Trainer writes them (file systems without atomic rename)
+
+
+@dataclass
 class AttentionSettings:
     """The attention kernel (``config._attn_implementation``), chosen per device, dtype and packing."""
 
@@ -194,6 +201,7 @@ SECTIONS: dict[str, type] = {
     "profile": ProfileSettings,
     "interrupt": InterruptSettings,
     "report": ReportSettings,
+    "crash_safe": CrashSafeSettings,
 }
 
 # field -> (allowed values, example fix). Fields not listed are checked by type only.
@@ -232,6 +240,7 @@ BOOLS = {
     "memory.cpu_reuse_freed", "lora.enabled", "lora.strict", "fsdp.enabled", "fsdp.cpu_offload",
     "fsdp.cpu_ram_efficient_loading", "profile.enabled", "profile.record_shapes", "profile.profile_memory",
     "profile.with_stack", "profile.memory_snapshot", "attention.strict", "report.trackers", "report.console",
+    "crash_safe.enabled",
 }
 OPTIONAL_BOOLS = {"data.pin_memory", "data.persistent_workers", "data.drop_last", "data.packing"}
 
@@ -260,6 +269,7 @@ class SpeedupConfig:
     profile: ProfileSettings = field(default_factory=ProfileSettings)
     interrupt: InterruptSettings = field(default_factory=InterruptSettings)
     report: ReportSettings = field(default_factory=ReportSettings)
+    crash_safe: CrashSafeSettings = field(default_factory=CrashSafeSettings)
 
     # ----------------------------------------------------------------- validation
     def problems(self) -> list[str]:

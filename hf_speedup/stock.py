@@ -61,10 +61,11 @@ def _stock_args(args_cls, preset: Any, kwargs: dict):
             logger.warning("hf_speedup: preset %r: %s=%r changes the model itself and cannot be expressed in %s: "
                            "dropped here; use SpeedupTrainer (or SpeedupMixin) for it", name, feature.NAME,
                            decision.applied if decision.active else decision.requested, args_cls.__name__)
-        if applies_to == "train" and decision.active:
-            logger.warning("hf_speedup: preset %r: %s=%r needs SpeedupTrainer's train() and cannot be expressed in "
-                           "%s: dropped here (the stock Trainer keeps the default signal actions)", name,
-                           feature.NAME, decision.applied, args_cls.__name__)
+        if applies_to == "train" and decision.active:  # a safety net the stock Trainer lacks is only noted
+            log = logger.warning if getattr(feature, "STOCK_TRAINER_WARNS", True) else logger.info
+            log("hf_speedup: preset %r: %s=%r needs SpeedupTrainer's train() and cannot be expressed in %s: dropped "
+                "here (%s)", name, feature.NAME, decision.applied, args_cls.__name__,
+                getattr(feature, "STOCK_TRAINER", "the stock Trainer goes without it"))
     if plan["data"].settings.train_drop_last:
         logger.warning("hf_speedup: preset %r: data.drop_last (the last partial training batch) cannot be expressed in "
                        "%s, whose dataloader_drop_last drops evaluation and prediction rows too: dropped here (it "

@@ -15,7 +15,6 @@ import typing
 from typing import Any
 
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
 
 from .callback_handler import SpeedupCallbackHandler
 from .compat import replace_args
@@ -24,6 +23,7 @@ from .features import FEATURES, Setup
 from .features import data as data_feature
 from .features.explicit_args import overridden_choices
 from .features.fsdp.trainer_hooks import FsdpTrainerMixin
+from .features.crash_safe import CrashSafeMixin, resolve_resume
 from .gguf import clear_stale_gguf_quantizer
 from . import inputs
 from .hardware import probe
@@ -36,7 +36,7 @@ from .report.collector import SpeedupCallback
 logger = logging.getLogger("hf_speedup")
 
 
-class SpeedupMixin(FsdpTrainerMixin):
+class SpeedupMixin(FsdpTrainerMixin, CrashSafeMixin):
     """Gives any ``transformers.Trainer`` subclass ``speedup=`` (a preset name, a SpeedupConfig, a dict or a
     YAML path): ``class MyTrainer(SpeedupMixin, SFTTrainer)``.
 
@@ -130,11 +130,10 @@ class SpeedupMixin(FsdpTrainerMixin):
         """Stock ``train()`` inside the features' ``during_train`` contexts (``interrupt``: a handled signal ends
         it with a checkpoint of the current step and :class:`~hf_speedup.features.interrupt.TrainingInterrupted`).
 
-        ``resume_from_checkpoint=True`` is resolved to the last checkpoint here, as the Trainer does, so the
-        report can carry its counters over from that checkpoint.
+        ``resume_from_checkpoint=True`` is resolved to the newest complete checkpoint here (incomplete ones set
+        aside: ``crash_safe``), so the report can carry its counters over from that checkpoint.
         """
-        if resume_from_checkpoint is True and (last := get_last_checkpoint(self.args.output_dir)) is not None:
-            resume_from_checkpoint = last  # None: left True, the Trainer raises its own error
+        resume_from_checkpoint = resolve_resume(self, resume_from_checkpoint)  # True when none: the Trainer's error
         self.speedup_resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         with contextlib.ExitStack() as around:  # features that act around the run (``interrupt``: signal handlers)
             for feature in FEATURES:

@@ -36,11 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import (attention, checkpointing, compile, data, fsdp, interrupt, liger, lora, loss, memory, optimizer,
-               precision, profile)
+from . import (attention, checkpointing, compile, crash_safe, data, fsdp, interrupt, liger, lora, loss, memory,
+               optimizer, precision, profile)
 
 FEATURES = (precision, lora, fsdp, checkpointing, data, attention, compile, optimizer, memory, liger, loss, profile,
-            interrupt)
+            interrupt, crash_safe)
 
 
 @dataclass

@@ -55,6 +55,7 @@ NAME = "interrupt"
 APPLIES_TO = "train"
 logger = logging.getLogger("hf_speedup")
 APPLIED = "save-and-exit"
+STOCK_TRAINER = "the stock Trainer keeps the default signal actions"  # what training_arguments() users get
 
 
 class TrainingInterrupted(SystemExit):

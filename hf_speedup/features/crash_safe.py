@@ -1,0 +1,284 @@
+"""Crash-safe checkpoints: a ``checkpoint-N`` is complete or not there, whenever the process is killed.
+
+Why: the stock Trainer writes ``checkpoint-N`` in place and resumes from the highest one without looking inside,
+so a SIGKILL (a scheduler's grace period over, the OOM killer) or a full disk during a save leaves a checkpoint
+``train(resume_from_checkpoint=True)`` then fails on (missing ``trainer_state.json``, truncated JSON or
+tensors) until someone deletes it by hand.
+
+How (the Trainer's own save code writes every file; see ``checkpoint_files.py`` for the folders):
+
+- :class:`CrashSafeMixin` (a base of ``SpeedupMixin``) points the Trainer's ``_save_checkpoint`` at
+  ``<output_dir>/_checkpoint-N.staging/`` through ``_get_output_dir``; when it returns, every rank waits for the
+  others (a barrier), then the process that saves (``args.should_save``: the main one, or each node's with
+  ``save_on_each_node``) fsyncs the files and renames the folder to ``checkpoint-N``, then rotates: checkpoints
+  beyond ``save_total_limit`` are renamed to ``_checkpoint-N.deleting`` before they are deleted, and neither
+  the checkpoint just written nor ``best_model_checkpoint`` ever is. The interrupt feature's checkpoint and
+  transformers' JIT checkpoint go through the same ``_save_checkpoint``; a Hub push of the checkpoint waits
+  for the rename. An exception during the save (a full disk) removes the staging folder (freeing the space)
+  and is raised as the Trainer raised it.
+- :func:`resolve_resume` (``SpeedupTrainer.train``): ``resume_from_checkpoint=True`` takes the newest complete
+  ``checkpoint-N``; an explicit path that is incomplete falls back to the newest complete one of an earlier
+  step beside it. Anything incomplete on the way (a staging folder, a stock Trainer's half-written
+  ``checkpoint-N``) is renamed into ``_incomplete_checkpoints/`` with a warning, and the report lists it.
+
+What differs from the stock Trainer: nothing in the layout of a finished run (same ``checkpoint-N`` names and
+files); while a save runs its files are under ``_checkpoint-N.staging/``; after a crash ``_incomplete_checkpoints/``
+holds what was set aside. ``enabled: false`` restores the stock Trainer's in-place writes (for file systems
+without an atomic directory rename: some object-store mounts).
+
+Engagement rule: ``engaged`` is True iff the trainer's class has :class:`CrashSafeMixin` and its
+``_save_checkpoint`` and ``_get_output_dir`` resolve through it (a subclass overriding them must call super).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from .. import compat
+from ..plan_types import OFF, Decision, Outcome, PlanContext
+from . import checkpoint_files as files
+
+NAME = "crash_safe"
+APPLIES_TO = "train"
+APPLIED = "staged-rename"
+STOCK_TRAINER = "the stock Trainer writes checkpoints in place"  # what training_arguments() users get instead:
+STOCK_TRAINER_WARNS = False  # logged at INFO, not warned (a safety net, not an acceleration a preset asks for)
+logger = logging.getLogger("hf_speedup")
+
+
+@dataclass(frozen=True)
+class Settings:
+    staging: str  # where checkpoint-N is written before the rename (relative to the run's output folder)
+    incomplete: str  # where incomplete checkpoints are set aside
+
+
+# --------------------------------------------------------------------------------------------- decide
+def decide(ctx: PlanContext) -> Decision:
+    settings = Settings(staging=f"_checkpoint-N{files.STAGING_SUFFIX}/checkpoint-N", incomplete=files.INCOMPLETE_DIR)
+    if ctx.config.crash_safe.enabled is False:
+        return Decision(NAME, requested=False, applied=OFF, settings=settings,
+                        reason="off: checkpoints are written in place, as the stock Trainer does (a kill during a "
+                               "save leaves a checkpoint-N that resume picks and fails on)")
+    return Decision(NAME, requested=True, applied=APPLIED, settings=settings, reason=(
+        f"checkpoint-N is written in {settings.staging}, fsync'ed and renamed into place once every rank's part is "
+        f"on disk; resume takes the newest complete checkpoint and moves incomplete ones into {files.INCOMPLETE_DIR}/; "
+        "rotation renames before it deletes and keeps the newest complete checkpoint"))
+
+
+def training_args(decision: Decision, args) -> dict:
+    """Nothing TrainingArguments can carry: the stock Trainer writes checkpoints in place."""
+    return {}
+
+
+def apply(decision: Decision, setup, outcome: Outcome) -> None:
+    """Nothing before the Trainer exists: :class:`CrashSafeMixin` acts when a checkpoint is saved."""
+
+
+# --------------------------------------------------------------------------------------------- verify
+def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
+    if not decision.active:
+        return False, decision.reason
+    cls = type(trainer)
+    if not issubclass(cls, CrashSafeMixin):
+        return False, f"{cls.__name__} lacks CrashSafeMixin: checkpoints are written in place"
+    saved = outcome.facts.get("committed", 0)
+    done = f"; {saved} checkpoint(s) committed this run, the last {outcome.facts.get('last_committed')}" if saved else ""
+    for method in ("_save_checkpoint", "_get_output_dir"):
+        owner = next(k for k in cls.__mro__ if method in vars(k))
+        if owner is not CrashSafeMixin and not saved:  # an override that may or may not call super()
+            return False, (f"{owner.__name__}.{method} overrides the staged save: engaged once a checkpoint has "
+                           "been committed through the staging folder (it must call super())")
+    return True, "the trainer's _save_checkpoint writes into a staging folder and renames it when complete" + done
+
+
+def _state(trainer) -> tuple[Decision | None, Outcome]:
+    plan = getattr(trainer, "speedup_plan", None)
+    decision = plan.decisions.get(NAME) if plan is not None else None
+    outcomes = getattr(trainer, "speedup_outcomes", None) or {}
+    return decision, outcomes.get(NAME) or Outcome()
+
+
+def _on(trainer) -> bool:
+    decision, _ = _state(trainer)
+    return decision is not None and decision.active
+
+
+# --------------------------------------------------------------------------------------------- resume
+def resolve_resume(trainer, resume_from_checkpoint):
+    """What ``train(resume_from_checkpoint=...)`` resumes from: the newest complete checkpoint (see the module
+    docstring); incomplete ones are set aside first (by the saving processes, then every rank agrees)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    _, outcome = _state(trainer)
+    for key in ("resumed_from", "set_aside", "committed", "last_committed"):
+        outcome.facts.pop(key, None)
+    if not _on(trainer):  # the stock Trainer's own resolution
+        if resume_from_checkpoint is True and (last := get_last_checkpoint(trainer.args.output_dir)) is not None:
+            return last
+        return resume_from_checkpoint
+    if resume_from_checkpoint is True:
+        run_dir, requested = trainer.args.output_dir, None
+    elif isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+        requested = os.fspath(resume_from_checkpoint)
+        run_dir = os.path.dirname(os.path.normpath(requested)) or "."
+        if files.step_of(requested) is None:  # a folder of the user's own naming: checked, never moved
+            why = files.problem(requested)
+            if why is not None:
+                raise ValueError(f"resume_from_checkpoint = {requested!r} is incomplete: {why}; allowed: a complete "
+                                 "checkpoint folder; fix: pass another checkpoint, or True for the newest complete "
+                                 "checkpoint-N in output_dir")
+            outcome.facts["resumed_from"] = requested
+            return requested
+    else:  # None / False, or a path that is not there (the Trainer's own error)
+        return resume_from_checkpoint
+    moved: list[files.SetAside] = []
+    if trainer.args.should_save:
+        moved += files.set_aside_leftovers(run_dir)
+        step = files.step_of(requested) if requested else None
+        for checkpoint in files.checkpoints_by_step(run_dir):
+            if step is not None and files.step_of(checkpoint) > step:
+                continue  # newer than the one asked for: not a candidate, left as it is
+            why = files.problem(checkpoint)
+            if why is None:
+                break
+            moved.append(files.set_aside(checkpoint, run_dir, why))
+    trainer.accelerator.wait_for_everyone()  # every rank sees the folder as the saving process left it
+    chosen = _newest(run_dir, requested)
+    if moved:
+        outcome.facts["set_aside"] = [m.to_dict() for m in moved]
+    if chosen is None:
+        if not moved and requested is None:
+            return resume_from_checkpoint  # nothing there at all: the Trainer raises its own error
+        what = "; ".join(f"{m.checkpoint} ({m.reason})" for m in moved) or "none"
+        raise ValueError(
+            f"No valid checkpoint found in output directory ({run_dir}): incomplete checkpoints set aside into "
+            f"{os.path.join(run_dir, files.INCOMPLETE_DIR)}: {what}; fix: start without resume_from_checkpoint "
+            "(training starts from step 0)")
+    if requested is not None and os.path.normpath(chosen) != os.path.normpath(requested):
+        logger.warning("hf_speedup crash_safe: resume_from_checkpoint=%s is incomplete; resuming from %s, "
+                       "the newest complete checkpoint of an earlier step", requested, chosen)
+    outcome.facts["resumed_from"] = chosen
+    return chosen
+
+
+def _newest(run_dir: str, requested: str | None) -> str | None:
+    if requested is not None and os.path.isdir(requested):
+        return requested
+    step = files.step_of(requested) if requested else None
+    for checkpoint in files.checkpoints_by_step(run_dir):
+        if step is None or files.step_of(checkpoint) <= step:
+            return checkpoint
+    return None
+
+
+# --------------------------------------------------------------------------------------------- save
+@contextlib.contextmanager
+def _discarded_on_error(root: str, run_dir: str, writer: bool):
+    """A save that raises (a full disk, a KeyboardInterrupt) will never be complete: its staging folder is
+    removed by the saving process, which frees its space, and the error goes on as the Trainer raised it."""
+    try:
+        yield
+    except BaseException as exc:
+        if writer:
+            files.discard_staging(root, run_dir, f"the save failed: {type(exc).__name__}: {exc}", keep=False)
+        raise
+
+
+class CrashSafeMixin:
+    """The Trainer methods a staged save needs; pass-throughs when the feature is off."""
+
+    _speedup_staging: str | None = None  # the staging folder while _save_checkpoint runs
+    _speedup_deferred_push: bool = False
+
+    def _get_output_dir(self, trial):
+        """During a save, the staging folder: the Trainer writes ``<staging>/checkpoint-N``."""
+        if self._speedup_staging is not None:
+            return self._speedup_staging
+        return super()._get_output_dir(trial)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """The Hub upload runs in the background: it reads the checkpoint from its final folder, after the rename."""
+        if self._speedup_staging is not None:
+            self._speedup_deferred_push = True
+            return
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if not _on(self):
+            return super()._save_checkpoint(model, trial)
+        _, outcome = _state(self)
+        run_dir = super()._get_output_dir(trial)
+        step = self.state.global_step
+        name = files.checkpoint_name(step)
+        root = files.staging_root(run_dir, step)
+        writer = self.args.should_save
+        if writer and os.path.lexists(root):  # a save of this step that never finished (no resume since)
+            moved = files.discard_staging(root, run_dir, "a save of the same step that did not finish", keep=True)
+            outcome.facts.setdefault("set_aside", []).extend(m.to_dict() for m in moved)
+        self.accelerator.wait_for_everyone()  # no rank writes into the staging folder before it is clean
+        self._speedup_best_as_stock(run_dir, step)
+        self._speedup_staging, self._speedup_deferred_push = root, False
+        try:
+            with _discarded_on_error(root, run_dir, writer):
+                super()._save_checkpoint(model, trial)
+        finally:
+            self._speedup_staging = None
+        staged = os.path.join(root, name)
+        final = os.path.join(run_dir, name)
+        if self.state.best_model_checkpoint == staged:  # the Trainer saw this step's folder under its staging name
+            self.state.best_model_checkpoint = final
+            if writer:
+                self.state.save_to_json(os.path.join(staged, files.TRAINER_STATE))
+        self.accelerator.wait_for_everyone()  # every rank's part (shards, RNG state) is written
+        if writer:
+            started = time.perf_counter()
+            with _discarded_on_error(root, run_dir, writer):  # fsync may report a full disk too
+                files.commit(root, name, run_dir)
+            outcome.facts["commit_seconds"] = round(time.perf_counter() - started, 4)
+            if self._speedup_deferred_push:
+                super()._push_from_checkpoint(final)
+            self._speedup_rotate(run_dir, final)
+        self._speedup_deferred_push = False
+        self.accelerator.wait_for_everyone()  # no rank goes on (or exits) before checkpoint-N is in place
+        outcome.facts["committed"] = outcome.facts.get("committed", 0) + 1
+        outcome.facts["last_committed"] = final
+
+    def _speedup_best_as_stock(self, run_dir: str, step: int) -> None:
+        """``best_model_checkpoint`` as the Trainer sets it from the run folder, which it does not see during a
+        staged save: an earlier best step's checkpoint, where it exists (this step's is fixed after the save)."""
+        from transformers.trainer_utils import SaveStrategy
+
+        best = getattr(self.state, "best_global_step", None)
+        if (best and best != step and self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH,
+                                                                   SaveStrategy.BEST)):
+            path = os.path.join(run_dir, files.checkpoint_name(best))
+            if os.path.exists(path):
+                self.state.best_model_checkpoint = path
+
+    def _speedup_rotate(self, run_dir: str, keep: str) -> None:
+        """The Trainer's rotation (``save_total_limit``), deleting crash-safely; ``keep`` (the checkpoint just
+        committed) and the best checkpoint are never deleted."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        checkpoints = compat.checkpoints_oldest_first(self, run_dir)
+        if len(checkpoints) <= limit:
+            return
+        protected = {os.path.normpath(checkpoints[-1]), os.path.normpath(keep)}
+        if self.state.best_model_checkpoint is not None:
+            protected.add(os.path.normpath(self.state.best_model_checkpoint))
+        remaining = len(checkpoints)
+        for checkpoint in checkpoints:
+            if remaining <= max(limit, len(protected)):
+                break
+            if os.path.normpath(checkpoint) not in protected:
+                logger.info("hf_speedup crash_safe: deleting %s (save_total_limit=%d)", checkpoint, limit)
+                try:
+                    files.remove(checkpoint, run_dir)
+                except OSError as exc:  # as the Trainer's rmtree(ignore_errors=True): never ends a run
+                    logger.warning("hf_speedup crash_safe: could not delete %s (%s)", checkpoint, exc)
+                remaining -= 1

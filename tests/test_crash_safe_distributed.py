@@ -1,0 +1,69 @@
+"""A sharded checkpoint is complete only when every rank's part is on disk: ``torchrun --nproc_per_node 2`` on
+CPU (gloo), the ``fsdp`` preset (each rank writes its own shards and RNG state).
+
+Rank 1 is SIGKILLed inside its ``rng_state_1.pth`` of the save of step 4 (rank 0 has written, or is writing, its
+own part): no ``checkpoint-4`` appears, since the rename waits for every rank. The relaunch with
+``train(resume_from_checkpoint=True)`` sets the staging folder aside, resumes both ranks from checkpoint-2 and
+computes steps 3 and 4 exactly as the killed run had.
+
+The workers are tests/dist/kill_train.py (they leave with ``os._exit`` after a barrier, see
+tests/test_fsdp_distributed.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import launch_env
+from hf_speedup.features import checkpoint_files as files
+
+pytestmark = [pytest.mark.distributed]
+if importlib.util.find_spec("pytest_timeout") is not None:
+    pytestmark.append(pytest.mark.timeout(900))
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "dist" / "kill_train.py"
+
+
+def _launch(out: Path, tag: str, *extra: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("torchrun")
+    if exe is None:
+        pytest.skip("torchrun not on PATH")
+    return subprocess.run([exe, "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out), "--tag", tag,
+                           "--preset", "fsdp", "--output-dir", str(out / "run"), *extra],
+                          cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=540)
+
+
+def _result(out: Path, tag: str, rank: int) -> dict | None:
+    path = out / f"{tag}.rank{rank}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def test_a_rank_killed_inside_its_part_of_a_sharded_save_leaves_no_checkpoint_that_resume_picks(tmp_path):
+    killed = _launch(tmp_path, "killed", "--kill-rank", "1", "--kill-where", r"checkpoint-4/rng_state_1")
+    assert killed.returncode != 0
+    assert "Signal 9 (SIGKILL) received" in killed.stderr + killed.stdout
+    assert _result(tmp_path, "killed", 1) is None  # rank 1 died inside its write
+    run = tmp_path / "run"
+    assert not (run / "checkpoint-4").exists() and (run / "_checkpoint-4.staging").is_dir()
+
+    resumed = _launch(tmp_path, "resumed", "--resume")
+    assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}\n{resumed.stderr[-5000:]}"
+    ranks = [_result(tmp_path, "resumed", r) for r in (0, 1)]
+    for r, res in enumerate(ranks):
+        assert res["error"] is None, (r, res["error"])
+        assert Path(res["crash_safe"]["settings"]["resumed_from"]).name == "checkpoint-2", r
+        assert res["global_step"] == 8, r
+    [moved] = ranks[0]["crash_safe"]["settings"]["set_aside"]
+    assert Path(moved["moved_to"]).parent == run / files.INCOMPLETE_DIR
+    assert Path(moved["moved_to"]).name.startswith("checkpoint-4.")
+    assert sorted(p.name for p in run.glob("*checkpoint*")) == [files.INCOMPLETE_DIR, "checkpoint-6", "checkpoint-8"]
+    before = _result(tmp_path, "killed", 0)  # rank 0 died of the broken group (gloo), after logging steps 1-4
+    assert "gloo" in before["error"] or "Connection" in before["error"], before["error"]
+    assert {k: before["losses"][k] for k in ("3", "4")} == {k: ranks[0]["losses"][k] for k in ("3", "4")}
