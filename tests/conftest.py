@@ -80,6 +80,32 @@ REPORTED_BASELINE = {"base": "baseline", "name": "baseline",
                      "report": {"path": "auto", "trackers": True, "console": True}}
 
 
+def _tracker_logs_class():
+    from transformers import TrainerCallback
+
+    class TrackerLogs(TrainerCallback):
+        """A stand-in ``report_to`` tracker: keeps every log its ``on_log`` is given."""
+
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs or {}))
+
+    return TrackerLogs
+
+
+TrackerLogs = _tracker_logs_class()
+
+
+def tracking(*classes):
+    """Within it, hf_speedup treats ``classes`` as ``report_to`` trackers (as transformers' W&B or TensorBoard
+    callbacks are): they get the hf_speedup metrics in their ``on_log``."""
+    from unittest import mock
+
+    return mock.patch("hf_speedup.callback_handler.tracker_classes", lambda: classes)
+
+
 # Both CPU decision paths on whichever CPU runs the suite: `auto` picks bf16 autocast on a CPU with AMX
 # and fp32 elsewhere. bf16 autocast runs on every x86 CPU (slowly without AMX), so both paths really train.
 CPU_KINDS = {"cpu-fp32": False, "cpu-amx": True}

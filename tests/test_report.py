@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 from hf_speedup import SpeedupTrainer
 from hf_speedup.report.schema import PREFIX, SUMMARY_METRICS
@@ -22,7 +21,7 @@ from hf_speedup.features import FEATURES
 from hf_speedup.peak_flops import OVERRIDE_ENV
 from hf_speedup.report import REPORT_FILE
 
-from conftest import REPORTED_BASELINE
+from conftest import REPORTED_BASELINE, TrackerLogs, tracking
 
 DESIGN_FEATURES = {"precision", "compile", "optimizer", "checkpointing", "empty_cache", "lora", "fsdp"}
 
@@ -47,23 +46,11 @@ def _train(tiny_model, dataset, collator, make_args, callbacks=None, **kw):
     return trainer
 
 
-class TrackerLogs(TrainerCallback):
-    """A stand-in ``report_to`` tracker: keeps every log its ``on_log`` is given."""
-
-    def __init__(self):
-        self.logs = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.logs.append(dict(logs or {}))
-
-
 @pytest.fixture
-def tracker(monkeypatch):
+def tracker():
     """A TrackerLogs registered as the trainers' tracker (as transformers' W&B or TensorBoard callbacks are)."""
-    import hf_speedup.callback_handler as handler
-
-    monkeypatch.setattr(handler, "tracker_classes", lambda: (TrackerLogs,))
-    return TrackerLogs()
+    with tracking(TrackerLogs):
+        yield TrackerLogs()
 
 
 def test_report_of_a_training_run(tiny_model, dataset, collator, make_args, capsys, monkeypatch, tracker):
