@@ -133,3 +133,12 @@ def launch_env() -> dict:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
+
+
+def free_port() -> int:
+    """A port nothing listens on now (other test runs launch torchrun on this machine at the same time)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -351,12 +351,21 @@ def _notes(s: FsdpSettings, backend: str, user_fsdp: str | None, launcher: dict,
     return notes
 
 
+def _layout(st: Settings) -> str:
+    """HSDP's mesh in words: which dimension runs across nodes, which within one."""
+    if st.strategy != "hybrid_shard" or len(st.mesh.shape) != 2:
+        return ""
+    (replicas, shard), names = st.mesh.shape, st.mesh.dim_names
+    return (f" ({replicas} node(s) x {shard} process(es): mesh {names[0]}={replicas} x {names[1]}={shard}, sharded "
+            "within a node, replicated across nodes)")
+
+
 def _reason(st: Settings, world: int, ac_why: str, notes: list[str]) -> str:
     how = "hf_speedup fully_shard (accelerate shards only on accelerators)" if st.backend == "hf_speedup" else \
         "accelerate via TrainingArguments.fsdp_config"
     mp = st.mixed_precision
     mp_txt = f", mixed precision param {long_name(mp.param_dtype)}/reduce float32" if mp is not None else ""
     lora_txt = ", LoRA adapters sharded with their blocks" if st.lora else ""
-    reason = (f"FSDP{st.version} {st.strategy} over {world} rank(s) by {how}; wrap: {st.wrap.units}"
+    reason = (f"FSDP{st.version} {st.strategy} over {world} rank(s){_layout(st)} by {how}; wrap: {st.wrap.units}"
               f"{mp_txt}{lora_txt}; activation checkpointing: {ac_why}; state dict: {st.state_dict_type}")
     return reason + ("; " + "; ".join(notes) if notes else "")
