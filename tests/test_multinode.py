@@ -29,6 +29,9 @@ import pytest
 
 from conftest import free_port, launch_env
 
+from hf_speedup import get_preset
+from hf_speedup.accelerate_config import SHIPPED, write_accelerate_config
+
 pytestmark = [pytest.mark.distributed]
 if importlib.util.find_spec("pytest_timeout") is not None:
     pytestmark.append(pytest.mark.timeout(900))
@@ -133,16 +136,9 @@ def two_nodes(out):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    losses, decision = F.reference_losses(tmp_path_factory.mktemp("one_process"))
-    assert decision["applied"] == "off"  # one process: FSDP off, same preset otherwise
-    return losses
-
-
-@pytest.fixture(scope="module")
 def preempted(out, two_nodes):
     """SIGTERM to node 1's launcher while training; then the relaunch, in which a worker is SIGKILLed."""
-    procs = start_nodes(out, "pre", "--dump-state", "--marker-at", "2", "--slow", "2")
+    procs = start_nodes(out, "pre", "--dump-state", "--marker-at", "2", "--slow", "1")
     deadline = time.monotonic() + 400
     while not (out / "pre.ready").exists() and all(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -174,12 +170,12 @@ def test_two_nodes_form_a_2x2_mesh_sharded_inside_each_node(two_nodes):
     assert by_rank[0]["env"]["TEST_NODE"] != by_rank[2]["env"]["TEST_NODE"]
 
 
-def test_two_nodes_losses_are_one_process_losses_on_the_same_global_batch(two_nodes, reference):
+def test_two_nodes_losses_are_one_process_losses_on_the_same_global_batch(two_nodes, one_process_losses):
     for res in two_nodes:
         got = _losses(res)
         assert sorted(got) == list(range(1, F.STEPS + 1))
         assert got == _losses(two_nodes[0])  # every rank logs the same mean
-        assert got == pytest.approx(reference, rel=LOSS_REL if res["fsdp"]["settings"]["mixed_precision"] is None
+        assert got == pytest.approx(one_process_losses, rel=LOSS_REL if res["fsdp"]["settings"]["mixed_precision"] is None
                                     else 3e-2)  # bf16 (AMX CPUs): rounding
 
 
@@ -267,3 +263,61 @@ def test_a_killed_worker_is_restarted_by_torch_elastic_and_the_run_ends_as_an_un
     assert relaunched[0]["final_saved_equal"] is True
     # the final model is the uninterrupted run's, bit for bit
     assert same_state(out / "nodes.saved-8.pt", out / "re.saved-8.pt") == []
+
+
+# ------------------------------------------------------------------------------------------ accelerate launch
+def _accelerate() -> str:
+    exe = shutil.which("accelerate")
+    if exe is None:
+        pytest.skip("accelerate not on PATH")
+    return exe
+
+
+def _multinode_config(path: Path) -> Path:
+    """The shipped multi-node file (fsdp preset, HSDP: parallelism_config) for 2 machines x 2 processes."""
+    preset, overrides, _, machines = SHIPPED["fsdp2_hybrid_multinode"]
+    config = get_preset(preset).replace(**overrides)
+    config.name = preset
+    return write_accelerate_config(config, 4, machines, path)
+
+
+def _machine_cmd(config: Path, rank: int, port: int, *args: str) -> list[str]:
+    """The documented command (plus --mixed_precision no on CPU), one machine of two, both on 127.0.0.1."""
+    return [_accelerate(), "launch", "--config_file", str(config), "--machine_rank", str(rank), "--main_process_ip",
+            "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no", *args]
+
+
+def test_accelerate_launch_of_the_multinode_config_on_two_cpu_machines(out, two_nodes):
+    """accelerate refuses a parallelism_config on CPU processes (every rank stopped in Accelerator() with
+    'ParallelismConfig is only compatible DistributedType.FSDP (version 2) ... MULTI_CPU'); with the fsdp preset
+    hf_speedup applies the file's HSDP layout itself. The run resumes the torchrun run's checkpoint-6: same mesh,
+    same losses, bit for bit."""
+    config = _multinode_config(out / "two_machines.yaml")
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        cmd = _machine_cmd(config, rank, port, "--rdzv_conf", "timeout=120", str(SCRIPT), "--out", str(out), "--tag",
+                           "acc", "--strategy", "full_shard", "--resume", str(out / "nodes" / "checkpoint-6"))
+        log = open(out / f"acc.node{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**launch_env(), "TEST_NODE": str(rank)}, stdout=log,
+                                      stderr=subprocess.STDOUT))
+    finish(procs, out, "acc")
+    for res in ranks(out, "acc"):
+        assert res["mesh"] == [[0, 1], [2, 3]] and res["embed_placements"] == "(Replicate(), Shard(dim=0))"
+        entry = res["fsdp"]
+        assert entry["engaged"] is True and "fsdp.strategy full_shard -> hybrid_shard: the accelerate launch " \
+            "config asks for HSDP (dp_replicate_size=2, dp_shard_size=2)" in entry["fallbacks"]
+        assert "the accelerate launch config's parallelism_config is applied by hf_speedup's FSDP2 (mesh " \
+               "dp_replicate=2 x dp_shard=2); it was kept from accelerate's Accelerator" in entry["reason"]
+        assert _losses(res) == _losses(two_nodes[0])  # steps 7-8 trained here, 1-6 from the checkpoint
+
+
+def test_a_machine_that_never_joins_stops_the_accelerate_launch_after_the_stated_timeout(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run(_machine_cmd(_multinode_config(tmp_path / "c.yaml"), 0, free_port(), "--rdzv_conf",
+                                       "timeout=5", str(SCRIPT), "--out", str(tmp_path), "--tag", "alone"),
+                          cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "DistStoreError: Timed out after" in proc.stderr and "1/2 clients joined" in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 120
+    assert not list(tmp_path.glob("alone.rank*.json"))

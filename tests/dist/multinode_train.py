@@ -93,12 +93,22 @@ def build_trainer(ns, out: Path):
     args = F.make_args(output_dir, F.GLOBAL_BATCH // world, max_steps=ns.max_steps, save_steps=ns.save_steps)
     config = get_preset("fsdp").replace(fsdp={"strategy": ns.strategy})
     # each rank (and a resumed run) starts from other weights: what it trains with comes from rank 0 or a checkpoint
-    model = F.build(seed=_rank() + (10 if ns.resume != "no" else 0))
+    model = F.build(seed=_rank() + (10 if _resume(ns, output_dir) else 0))
     trainer = F.trainer_for(model, args, config, tok, ds)
     trainer.add_callback(Hands())
     trainer.speedup_callback.print_tables = False
     holder["trainer"] = trainer
     return trainer
+
+
+def _resume(ns, output_dir) -> str | bool | None:
+    """``--resume``: a path, or ``auto``: True (the newest checkpoint) where output_dir holds one, as a requeued job
+    resumes, else None (a fresh start)."""
+    if ns.resume != "auto":
+        return None if ns.resume == "no" else ns.resume
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return True if os.path.isdir(output_dir) and get_last_checkpoint(str(output_dir)) else None
 
 
 def _dump(trainer, path: Path) -> None:
@@ -145,7 +155,7 @@ def main(argv=None) -> int:
     env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                           "TORCHELASTIC_RESTART_COUNT", "TEST_NODE", "SLURM_NODEID", "SLURM_PROCID")}
     res: dict = {"rank": _rank(), "env": env, "exit_status": 0}
-    resume = {"no": None, "auto": True}.get(ns.resume, ns.resume)
+    resume = _resume(ns, trainer.args.output_dir)
     try:
         trainer.train(resume_from_checkpoint=resume)
     except TrainingInterrupted as exc:

@@ -15,7 +15,14 @@ from ... import compat
 from ...config import FsdpSettings, SpeedupConfig, SpeedupConfigError
 from ...dtypes import long_name
 from ...plan_types import OFF, Decision, PlanContext
-from .launcher import launched, launcher_differences, launcher_fsdp, local_world_size, ram_efficient_loading_set
+from .launcher import (
+    launched,
+    launcher_differences,
+    launcher_fsdp,
+    local_world_size,
+    parallelism_problem,
+    ram_efficient_loading_set,
+)
 from .settings import HSDP_DIMS, LAUNCH_CONFIG, NAME, Mesh, MixedPrecision, Settings, Wrap
 
 logger = logging.getLogger("hf_speedup")
@@ -37,6 +44,7 @@ def decide(ctx: PlanContext) -> Decision:
     device = _device(ctx)
     launcher = launcher_fsdp()
     if not s.enabled:
+        _refuse_launch_parallelism(launcher, device, world, applied_here=False)
         return _not_requested(user_fsdp, device, world, launcher)
 
     requested = {"version": s.version, "strategy": s.strategy, "cpu_offload": s.cpu_offload,
@@ -47,7 +55,9 @@ def decide(ctx: PlanContext) -> Decision:
         backend = _backend(device, world)
         version, fallbacks = _version(s.version, backend)
     except _Off as off:
+        _refuse_launch_parallelism(launcher, device, world, applied_here=False)
         return _off(requested, off.reason, [off.fallback])
+    _refuse_launch_parallelism(launcher, device, world, applied_here=backend == "hf_speedup")
 
     strategy, launcher_groups, hsdp_fallbacks, hsdp_notes = _launcher_hsdp(s.strategy, world, launcher, backend)
     mesh, mesh_fallbacks = _mesh(strategy, world, launcher_groups or _node_groups(world),
@@ -176,6 +186,12 @@ def _lora_state(ctx: PlanContext) -> tuple[bool, str | None]:
     lora_on = bool((d is not None and d.active) or (ctx.model is not None and ctx.model.is_peft))
     q = d.settings.quantization if d is not None and d.active else None
     return lora_on, q or (model_q if model_q in ("4bit", "8bit") else None)
+
+
+def _refuse_launch_parallelism(launcher: dict, device: str, world: int, applied_here: bool) -> None:
+    problem = parallelism_problem(launcher, device, world, applied_here)
+    if problem:
+        raise SpeedupConfigError([problem])
 
 
 def _refuse_int8(quant: str | None) -> None:

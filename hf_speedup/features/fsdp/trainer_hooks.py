@@ -23,6 +23,7 @@ from .checkpoint import (
     save_sharded_optimizer,
     shard_count,
 )
+from .launcher import parallelism_kept_from_accelerate
 from .settings import LAUNCH_CONFIG, NAME, plugin_overrides
 from .shard import ShardSpec, shard_model
 
@@ -50,15 +51,31 @@ class FsdpTrainerMixin:
             return None, decision
         return decision.settings.backend, decision
 
+    def _speedup_fsdp_note(self, note: str, level: int) -> None:
+        """Logged, and added to the fsdp entry's reason in the report."""
+        logger.log(level, "hf_speedup fsdp: %s", note)
+        outcome = (getattr(self, "speedup_outcomes", None) or {}).get(NAME)
+        if outcome is not None:
+            outcome.notes.append(note)
+
     # -- setup -----------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         backend, decision = self._speedup_fsdp()
         if backend == "accelerate":
             self._speedup_fsdp_plugin_args(decision)
-        super().create_accelerator_and_postprocess()
+        if backend != "hf_speedup":
+            super().create_accelerator_and_postprocess()
+            self._speedup_accelerate_dynamo_off()
+            return
+        with parallelism_kept_from_accelerate() as kept:  # accelerate refuses a ParallelismConfig on CPU processes
+            super().create_accelerator_and_postprocess()
+        if kept:
+            mesh = " x ".join(f"{n}={s}" for n, s in zip(decision.settings.mesh.dim_names, decision.settings.mesh.shape))
+            note = (f"the accelerate launch config's parallelism_config is applied by hf_speedup's FSDP2 (mesh {mesh}); "
+                    "it was kept from accelerate's Accelerator, which refuses it on CPU processes (MULTI_CPU)")
+            self._speedup_fsdp_note(note, logging.INFO)
         self._speedup_accelerate_dynamo_off()
-        if backend == "hf_speedup":
-            self._speedup_fsdp_shard(decision)
+        self._speedup_fsdp_shard(decision)
 
     def _speedup_accelerate_dynamo_off(self) -> None:
         """Keep accelerate from compiling what hf_speedup compiled: with its compile decision active the blocks
@@ -226,10 +243,7 @@ class FsdpTrainerMixin:
         shards = shard_count(resume_from_checkpoint)
         note = (f"resumed from an FSDP checkpoint ({f'{shards} shards' if shards else 'full state dict'}) in a run "
                 f"that does not shard: {os.path.basename(loaded)} read whole, optimizer state likewise")
-        logger.warning("hf_speedup fsdp: %s", note)
-        outcome = (getattr(self, "speedup_outcomes", None) or {}).get(NAME)
-        if outcome is not None:
-            outcome.notes.append(note)
+        self._speedup_fsdp_note(note, logging.WARNING)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         backend, _ = self._speedup_fsdp()
