@@ -248,7 +248,8 @@ def test_a_parallelism_config_accelerate_refuses_is_said_when_the_plan_is_made(m
     assert build_plan("fsdp", cpu4)["fsdp"].settings.mesh.shape == (2, 2)
     # a layout that does not cover the processes: accelerate refuses it on any device
     _parallelism_env(monkeypatch, 2, 8)
-    with pytest.raises(SpeedupConfigError, match=r"covers 16 processes but 4 run; accelerate refuses it"):
+    with pytest.raises(SpeedupConfigError, match=r"covers 16 processes but 4 run; accelerate refuses it .* "
+                                                 r"parallelism_config_dp_shard_size: 2 "):
         build_plan("auto", fake_caps(**{**CUDA_H100, "world_size": 4}))
 
 
@@ -259,6 +260,6 @@ def test_speedup_trainer_says_so_before_accelerate_refuses(monkeypatch, tiny_mod
 
     _parallelism_env(monkeypatch, 2, 2)
     with pytest.raises(SpeedupConfigError, match=r"covers 4 processes but 1 run; .* fix: set "
-                                                 r"parallelism_config_dp_shard_size"):
+                                                 r"parallelism_config_dp_shard_size: 1 "):
         SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, data_collator=collator,
                        speedup="auto")

@@ -57,9 +57,8 @@ def decide(ctx: PlanContext) -> Decision:
     except _Off as off:
         _refuse_launch_parallelism(launcher, device, world, applied_here=False)
         return _off(requested, off.reason, [off.fallback])
-    _refuse_launch_parallelism(launcher, device, world, applied_here=backend == "hf_speedup")
-
     strategy, launcher_groups, hsdp_fallbacks, hsdp_notes = _launcher_hsdp(s.strategy, world, launcher, backend)
+    _refuse_launch_parallelism(launcher, device, world, applied_here=backend == "hf_speedup")
     mesh, mesh_fallbacks = _mesh(strategy, world, launcher_groups or _node_groups(world),
                                  launcher_hsdp=launcher_groups is not None)
     fallbacks += hsdp_fallbacks + mesh_fallbacks

@@ -78,8 +78,8 @@ def parallelism_problem(launcher: dict, device: str, world: int, applied_here: b
     if total != world and not (applied_here and sizes["tp_size"] == sizes["cp_size"] == 1):
         return (f"{where} covers {total} processes but {world} run; accelerate refuses it (ParallelismConfig "
                 "total_size does not match num_processes); allowed: sizes whose product is the number of processes; "
-                "fix: set parallelism_config_dp_shard_size (and _dp_replicate_size) in the accelerate config so that "
-                f"their product is {world}, or drop parallelism_config")
+                f"fix: set parallelism_config_dp_shard_size: {max(1, world // (total // sizes['dp_shard_size']))} in the "
+                "accelerate config (the product of its sizes = num_processes), or drop parallelism_config")
     if device != "cpu" or total <= 1:
         return None
     if applied_here and sizes["tp_size"] == sizes["cp_size"] == 1:
