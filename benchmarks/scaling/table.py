@@ -27,7 +27,8 @@ NAMES = {"full_shard": "FSDP", "hybrid_shard": "HSDP", None: "neither fits"}
 
 def rows() -> list[str]:
     out = ["| model | nodes x 8 H100 | plan | memory/rank FSDP / HSDP | NIC bytes/GPU/step FSDP / HSDP | "
-           "NIC time FSDP / HSDP | step >= (limited by) | tokens/s/GPU <= | torchtitan tokens/s/GPU (FSDP, + compile) |",
+           "NIC time FSDP / HSDP | step >= (limited by) | tokens/s/GPU <= | "
+           "torchtitan tokens/s/GPU (FSDP, + compile) |",
            "|---|---|---|---|---|---|---|---|---|"]
     for model, counts in NODES.items():
         described = describe_for_estimate(str(HERE / f"{model}.json"))

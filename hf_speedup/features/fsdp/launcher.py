@@ -76,9 +76,10 @@ def parallelism_problem(launcher: dict, device: str, world: int, applied_here: b
     total = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"] * sizes["cp_size"]
     where = f"the accelerate launch config's parallelism_config ({shown})"
     if total != world and not (applied_here and sizes["tp_size"] == sizes["cp_size"] == 1):
+        shard = max(1, world // (total // sizes["dp_shard_size"]))
         return (f"{where} covers {total} processes but {world} run; accelerate refuses it (ParallelismConfig "
                 "total_size does not match num_processes); allowed: sizes whose product is the number of processes; "
-                f"fix: set parallelism_config_dp_shard_size: {max(1, world // (total // sizes['dp_shard_size']))} in the "
+                f"fix: set parallelism_config_dp_shard_size: {shard} in the "
                 "accelerate config (the product of its sizes = num_processes), or drop parallelism_config")
     if device != "cpu" or total <= 1:
         return None

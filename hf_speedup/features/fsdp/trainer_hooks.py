@@ -70,9 +70,10 @@ class FsdpTrainerMixin:
         with parallelism_kept_from_accelerate() as kept:  # accelerate refuses a ParallelismConfig on CPU processes
             super().create_accelerator_and_postprocess()
         if kept:
-            mesh = " x ".join(f"{n}={s}" for n, s in zip(decision.settings.mesh.dim_names, decision.settings.mesh.shape))
-            note = (f"the accelerate launch config's parallelism_config is applied by hf_speedup's FSDP2 (mesh {mesh}); "
-                    "it was kept from accelerate's Accelerator, which refuses it on CPU processes (MULTI_CPU)")
+            mesh = decision.settings.mesh
+            dims = " x ".join(f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape))
+            note = (f"the accelerate launch config's parallelism_config is applied by hf_speedup's FSDP2 (mesh "
+                    f"{dims}); it was kept from accelerate's Accelerator, which refuses it on CPU processes (MULTI_CPU)")
             self._speedup_fsdp_note(note, logging.INFO)
         self._speedup_accelerate_dynamo_off()
         self._speedup_fsdp_shard(decision)
