@@ -11,6 +11,7 @@ visibly falls within a minute or two on 2 CPU cores, offline.
     python examples/finetune.py --max-steps 10 --profile          # trace of steps 3-4 in outputs/finetune/profile
     python examples/finetune.py --model ./dir --gguf-file model.Q8_0.gguf --speedup lora
     accelerate launch --config_file configs/accelerate/fsdp2_full_shard.yaml examples/finetune.py --speedup fsdp
+    sbatch examples/slurm/train.sbatch examples/finetune.py --speedup fsdp --save-steps 50 --resume
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=None, help="default 1e-3 (full fine-tune of the tiny model), 2e-4 (LoRA)")
     p.add_argument("--examples", type=int, default=4000, help="generated examples (default data only)")
     p.add_argument("--logging-steps", type=int, default=10)
+    p.add_argument("--save-steps", type=int, default=None, help="a checkpoint every N steps (default: none; a stop "
+                                                                   "signal still saves one, see the interrupt feature)")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from the newest checkpoint in --output-dir when there is one (a requeued job), "
+                        "else start afresh")
     p.add_argument("--report-to", default="none", help="none | wandb | tensorboard | all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu", action="store_true", help="force CPU even where CUDA is present")
@@ -72,6 +78,13 @@ def build_model_and_tokenizer(ns):
     return load_model(ns.model, speedup=ns.speedup, **model_kwargs), tokenizer
 
 
+def _newest_checkpoint(output_dir: str) -> bool | None:
+    """True (the Trainer resumes from the newest checkpoint) where output_dir holds one, else None (a fresh start)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return True if os.path.isdir(output_dir) and get_last_checkpoint(output_dir) else None
+
+
 def build_dataset(ns, tokenizer):
     from datasets import Dataset
 
@@ -102,7 +115,8 @@ def main(argv=None) -> dict:
     args = TrainingArguments(
         output_dir=ns.output_dir, per_device_train_batch_size=ns.batch_size, max_steps=ns.max_steps,
         learning_rate=lr, warmup_steps=min(10, ns.max_steps // 10), lr_scheduler_type="cosine",
-        logging_steps=ns.logging_steps, save_strategy="no", report_to=ns.report_to, seed=ns.seed,
+        logging_steps=ns.logging_steps, save_strategy="steps" if ns.save_steps else "no",
+        save_steps=ns.save_steps or 500, report_to=ns.report_to, seed=ns.seed,
         use_cpu=ns.cpu, disable_tqdm=True,
     )
     if ns.trainer == "sft":
@@ -110,7 +124,7 @@ def main(argv=None) -> dict:
     else:
         trainer = SpeedupTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                  data_collator=causal_lm_collator(tokenizer), speedup=config)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=_newest_checkpoint(ns.output_dir) if ns.resume else None)
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     summary = {"preset": config.name, "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None,

@@ -50,6 +50,9 @@ SHIPPED: dict[str, tuple[str, dict, int, int]] = {
 }
 
 _PLACEHOLDER_IP = "MAIN_NODE_IP"
+# Seconds the launchers wait for every machine to join (the rendezvous) before they stop with an error; torch's
+# default is 600 s of silence. An accelerate config file has no field for it: the commands pass --rdzv_conf.
+RENDEZVOUS_TIMEOUT_S = 300
 _COMMENTS = {
     "main_process_ip": "# REPLACE: address of the machine with machine_rank 0, reachable from every node",
     "machine_rank": "# REPLACE on each node: 0 on the main node, 1 .. num_machines-1 elsewhere (or --machine_rank)",
@@ -138,9 +141,13 @@ def _header(shown: str, cfg: SpeedupConfig, d: dict) -> str:
              "#"]
     script = f"examples/finetune.py --speedup {cfg.name}"
     if m > 1:
+        wait = f"--rdzv_conf timeout={RENDEZVOUS_TIMEOUT_S}"
         lines += ["# Run the same command on every machine, each with its own --machine_rank:",
-                  f"#   accelerate launch --config_file {shown} --machine_rank 0 {script}",
-                  f"#   accelerate launch --config_file {shown} --machine_rank 1 {script}"]
+                  f"#   accelerate launch --config_file {shown} --machine_rank 0 {wait} {script}",
+                  f"#   accelerate launch --config_file {shown} --machine_rank 1 {wait} {script}",
+                  f"# A machine that never joins: after {RENDEZVOUS_TIMEOUT_S} s the main machine's launcher stops with",
+                  f"# 'DistStoreError: Timed out after ... seconds waiting for clients. {m - 1}/{m} clients joined.'",
+                  "# (without --rdzv_conf it waits 600 s)."]
     else:
         lines += [f"#   accelerate launch --config_file {shown} {script}"]
         if n > 1:
@@ -149,7 +156,9 @@ def _header(shown: str, cfg: SpeedupConfig, d: dict) -> str:
         pc = d["parallelism_config"]
         lines += [f"# HSDP: {pc['parallelism_config_dp_replicate_size']} replicas (one per machine), each sharded over "
                   f"{pc['parallelism_config_dp_shard_size']} GPUs;",
-                  "# keep dp_replicate_size * dp_shard_size = num_processes."]
+                  "# keep dp_replicate_size * dp_shard_size = num_processes.",
+                  "# CPU machines: accelerate refuses parallelism_config there (MULTI_CPU); hf_speedup's fsdp presets",
+                  "# apply the layout themselves (--mixed_precision no); for any other preset drop parallelism_config."]
     if d.get("fsdp_config", {}).get("fsdp_offload_params"):
         lines += ["# No dynamo_config: with CPU offload the step is bound by host<->device copies, not compute."]
     return "\n".join(lines) + "\n"

@@ -137,6 +137,8 @@ def _cmd_estimate(ns) -> int:
     memory = parse_size(ns.memory) if ns.memory else caps.memory_bytes
     if ns.memory and not memory:
         raise CliError(f"estimate --memory {ns.memory!r}: not a size; fix: e.g. --memory 80GB or --memory 24GiB")
+    if ns.nodes is not None:
+        return _scaling_plan(ns, described, config, caps, memory if ns.memory or caps.device_type == "cuda" else None)
     kw = dict(batch_size=ns.batch_size, seq_len=ns.seq_len, world_size=ns.world_size,
               gradient_accumulation_steps=ns.grad_accum, caps=caps, padded=ns.padded)
     est = estimate_described(described, config, **kw)
@@ -161,6 +163,44 @@ def _cmd_estimate(ns) -> int:
     else:
         print("\n".join(lines))
     return 0 if fits else 1
+
+
+def _scaling_plan(ns, described, config, caps, memory) -> int:
+    """``estimate --nodes N``: FSDP against HSDP on N nodes x G GPUs (hf_speedup.scaling)."""
+    import json
+
+    from .memory_model import fmt_bytes
+    from .report.console import fmt_params, table
+    from .scaling import GBIT, Links, fmt_rate, plan_scaling
+    from .scaling import table as scaling_table
+
+    if ns.world_size not in (1, ns.nodes * ns.gpus_per_node):
+        raise CliError(f"estimate --world-size {ns.world_size} with --nodes {ns.nodes} --gpus-per-node "
+                       f"{ns.gpus_per_node}: the world size is nodes x GPUs per node; fix: drop --world-size")
+    gpu = ns.gpu or (caps.device_name if caps.device_type == "cuda" else "NVIDIA H100 80GB HBM3")
+    memory = memory or H100_MEMORY_BYTES
+    plan = plan_scaling(described, config, nodes=ns.nodes, gpus_per_node=ns.gpus_per_node, batch_size=ns.batch_size,
+                        seq_len=ns.seq_len, device_name=gpu, memory_bytes=memory, padded=ns.padded,
+                        links=Links(intra_node=ns.intra_node_gbps * GBIT, inter_node=ns.inter_node_gbps * GBIT),
+                        peak_flops=ns.peak_flops)
+    if ns.json:
+        print(json.dumps(plan.to_dict(), indent=2, default=str))
+        return 0 if plan.chosen else 1
+    info = described[0]
+    lines = [f"hf_speedup scaling plan: {info.architecture} ({fmt_params(info.total_parameters)} parameters), preset "
+             f"'{config.name}', {ns.nodes} node(s) x {ns.gpus_per_node} {gpu} ({plan.world_size} ranks), micro-batch "
+             f"{ns.batch_size} x {ns.seq_len} tokens per rank, one optimizer step",
+             f"links per GPU: {fmt_rate(plan.links.intra_node)} inside a node (NVLink, one direction), "
+             f"{fmt_rate(plan.links.inter_node)} between nodes (NIC); peak {plan.peak_flops / 1e12:,.0f} TFLOP/s; "
+             f"{plan.flops_per_token / 1e9:.1f} GFLOP per token; memory per GPU {fmt_bytes(memory)}",
+             table(*scaling_table(plan), [24, 28, 28]),
+             f"plan: {({'full_shard': 'FSDP', 'hybrid_shard': 'HSDP'}).get(plan.chosen, 'neither')}: {plan.why}",
+             "bound: compute at peak and every byte at link speed, all overlapped; latency left out"]
+    print("\n".join(lines))
+    return 0 if plan.chosen else 1
+
+
+H100_MEMORY_BYTES = 85_000_000_000  # an H100 80GB as CUDA reports it (79.2 GiB): the scaling plan's default GPU
 
 
 def _cmd_bench(ns) -> int:
@@ -219,6 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory", help="memory to fit in, e.g. 80GB or 24GiB (default: this device's memory)")
     s.add_argument("--padded", action="store_true", help="batches carry a padding mask (no packing)")
     s.add_argument("--json", action="store_true", help="the estimate as JSON")
+    g = s.add_argument_group("scaling plan (FSDP against HSDP on several nodes; hf_speedup.scaling)")
+    g.add_argument("--nodes", type=int, help="nodes: print per-rank memory, bytes sent per step and a step-time "
+                                             "bound for FSDP and HSDP, and the strategy the plan picks")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (processes) per node (default: 8)")
+    g.add_argument("--gpu", help="GPU name for the peak FLOP/s table (default: this machine's GPU, else H100 SXM; "
+                                 "--memory defaults to 80 GB then)")
+    g.add_argument("--intra-node-gbps", type=float, default=3600.0,
+                   help="NVLink per GPU and direction, Gb/s (default 3600 = 450 GB/s, H100 SXM NVLink 4)")
+    g.add_argument("--inter-node-gbps", type=float, default=400.0,
+                   help="network per GPU between nodes, Gb/s (default 400: one 400 Gb/s NIC per GPU)")
+    g.add_argument("--peak-flops", type=float, help="peak dense FLOP/s per GPU (default: the table's, for the "
+                                                    "compute dtype of the plan)")
     s.set_defaults(func=_cmd_estimate)
 
     from .bench.cli import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments

@@ -112,8 +112,9 @@ def estimate_memory(model_or_config: Any, *, speedup: Any = "auto", batch_size: 
 
 def estimate_described(described: tuple[ModelInfo, bool], speedup: Any, *, batch_size: int, seq_len: int,
                        world_size: int = 1, gradient_accumulation_steps: int = 1, caps: Capabilities | None = None,
-                       padded: bool = False, args: Any = None) -> MemoryEstimate:
-    """:func:`estimate_memory` for a model already described (``describe_for_estimate``)."""
+                       padded: bool = False, args: Any = None, gpus_per_node: int | None = None) -> MemoryEstimate:
+    """:func:`estimate_memory` for a model already described (``describe_for_estimate``). ``gpus_per_node``: the
+    shard group of ``fsdp.strategy: hybrid_shard`` where this process plans no sharding (default: every rank)."""
     info, real = described
     cfg = resolve(speedup)
     if cfg.memory.budget is not None and cfg.memory.seq_len is None:
@@ -143,9 +144,11 @@ def estimate_described(described: tuple[ModelInfo, bool], speedup: Any, *, batch
                            weight_bytes=weight_bytes, padded=padded)
     notes = []
     if cfg.fsdp.enabled and world_size > 1 and not plan["fsdp"].active:
-        setup = setup.replace(fsdp=cfg.fsdp.strategy, shard_group=world_size, cpu_offload=cfg.fsdp.cpu_offload)
-        notes.append(f"FSDP {cfg.fsdp.strategy} over {world_size} ranks modelled as configured (this process, "
-                     f"outside a launcher, plans no sharding: {plan['fsdp'].reason})")
+        group = gpus_per_node if cfg.fsdp.strategy == "hybrid_shard" and gpus_per_node else world_size
+        setup = setup.replace(fsdp=cfg.fsdp.strategy, shard_group=group, cpu_offload=cfg.fsdp.cpu_offload,
+                              gather_bytes=setup.compute_bytes if setup.compute_bytes < setup.weight_bytes else 0)
+        notes.append(f"FSDP {cfg.fsdp.strategy} over {world_size} ranks (shard groups of {group}) modelled as "
+                     f"configured (this process, outside a launcher, plans no sharding: {plan['fsdp'].reason})")
     # what the plan could not do here (QLoRA without CUDA -> LoRA, 8-bit -> fused AdamW, ...) is what is estimated
     notes += [f"{name}: {fb} (estimated as planned here)" for name, d in plan.decisions.items() for fb in d.fallbacks]
     result = estimate(info.shape, setup)

@@ -1,7 +1,8 @@
 """What the user hands SpeedupTrainer, checked at construction: one clear error (field, value, allowed
 values, fix) instead of a traceback at batch 1, or a run that trains on nothing and looks like success.
 
-- the launch: ``WORLD_SIZE`` > 1 without the rest of a launcher's variables (torchrun/accelerate set all);
+- the launch: ``WORLD_SIZE`` > 1 without the rest of a launcher's variables (torchrun/accelerate set all); a
+  warning where torch elastic restarts would fail (``launch_warnings``);
 - the output directory: it must be a directory that can be created and written;
 - the training set: not empty; at least one batch where TrainingArguments drop the last partial batch;
   rows of one length where the collator only stacks them; label tokens to learn from.
@@ -12,9 +13,11 @@ never the whole set, and skip what they cannot know (an IterableDataset, a colla
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
+
 from .config import SpeedupConfigError
 from .features.data import drop_last_problem
 
@@ -23,6 +26,7 @@ SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "labels", "token_type_ids", "
 SAMPLE_ROWS = 256  # rows read from an Arrow-backed datasets.Dataset (a columnar slice: cheap)
 SAMPLE_ITEMS = 64  # rows read through __getitem__ of any other Dataset (each may load or tokenize)
 IGNORE_INDEX = -100
+logger = logging.getLogger("hf_speedup")
 
 
 # --------------------------------------------------------------------------------------------- launch
@@ -47,6 +51,30 @@ def launch_problems(environ=None) -> list[str]:
                 f"launch with torchrun --nproc_per_node {world} train.py (or accelerate launch), or unset WORLD_SIZE "
                 "for a single-process run"]
     return []
+
+
+def launch_warnings(environ=None) -> list[str]:
+    """What will go wrong later in this launch, said at once. torch elastic restarts (``torchrun --max-restarts``)
+    with the rendezvous store shared with the workers (torch's default): the torch this was measured with (2.13)
+    keeps that store across a restart, so the restarted workers read the first attempt's keys and fail to
+    connect in ``init_process_group`` (gloo: ``connectFullMesh failed ... Connection refused``), one node or
+    several."""
+    env = os.environ if environ is None else environ
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return []
+    if restarts > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("RANK", "0") == "0":
+        return [f"torchrun --max-restarts {restarts}: a restarted worker group re-uses the rendezvous store torchrun "
+                "shares with the workers and finds the first attempt's keys there, so it fails to connect "
+                "(init_process_group) instead of resuming; fix: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before "
+                "torchrun (a store per attempt; examples/slurm/train.sbatch does)"]
+    return []
+
+
+def warn(warnings: list[str]) -> None:
+    for text in warnings:
+        logger.warning("hf_speedup: %s", text)
 
 
 # --------------------------------------------------------------------------------------------- output dir

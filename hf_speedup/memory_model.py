@@ -26,8 +26,8 @@ al. 2022; QLoRA, Dettmers et al. 2023):
 - autocast weight copies: every matmul weight cast to ``c`` once per forward and saved for backward,
   ``2.P_matmul`` bytes, freed block by block during backward;
 - FSDP divides weights, gradients and states by the shard group (``shard_grad_op`` keeps weights whole
-  between forward and backward) and adds two gathered blocks in flight; CPU offload moves all three off
-  the device.
+  between forward and backward) and adds two gathered blocks in flight; gathered in the compute dtype (a
+  mixed-precision policy), the blocks need no autocast copies; CPU offload moves all three off the device.
 
 Saved activations per token (autograd keeps what each op's backward needs: PyTorch
 ``tools/autograd/derivatives.yaml``; the structure follows Korthikanti et al. 2022, "Reducing
@@ -207,6 +207,11 @@ def _roles(shape: ModelShape) -> list[tuple[str, int, str]]:
     return out
 
 
+def lora_parameters(shape: ModelShape, lora: LoraShape) -> int:
+    """Adapter parameters over every block: ``rank x (in + out)`` per adapted Linear."""
+    return shape.num_blocks * sum(lora.rank * (i + o) for _, i, o, _ in _adapted(shape, lora))
+
+
 def _adapted(shape: ModelShape, lora: LoraShape) -> list[tuple[str, int, int, str]]:
     """(name, in, out, role) of the block Linears carrying an adapter."""
     roles = {n: role for n, _, role in _roles(shape)}
@@ -283,8 +288,11 @@ def _param_items(shape: ModelShape, st: TrainingSetup) -> dict:
     states = _optimizer_states(shape, st) if trains else 0
     adapters = 0
     if lora is not None:
-        adapters = L * sum(lora.rank * (i + o) for _, i, o, _ in _adapted(shape, lora)) * ADAPTER_BYTES
-    copies_block = 2 * shape.block_linear_params if (st.cast and not (lora and lora.quantized)) else 0
+        adapters = lora_parameters(shape, lora) * ADAPTER_BYTES
+    # FSDP gathering the blocks in the compute dtype (its mixed-precision policy): autocast finds them cast already
+    gathered_cast = st.fsdp not in (None, "no_shard") and st.gather_bytes == st.compute_bytes
+    copies_block = 2 * shape.block_linear_params if (st.cast and not (lora and lora.quantized) and not gathered_cast) \
+        else 0
     copies_head = 2 * head_w if st.cast else 0
     shard = max(1, st.shard_group) if st.fsdp in ("full_shard", "hybrid_shard", "shard_grad_op") else 1
     w_shard = 1 if st.fsdp == "shard_grad_op" else shard  # kept whole between forward and backward

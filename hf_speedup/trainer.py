@@ -48,6 +48,7 @@ class SpeedupMixin(FsdpTrainerMixin, CrashSafeMixin):
         config = resolve(speedup)  # bad input fails here, before any model work
         bound = inspect.signature(super().__init__).bind_partial(*args, **kwargs)
         inputs.check(inputs.launch_problems())  # before TrainingArguments start torch.distributed
+        inputs.warn(inputs.launch_warnings())
         given_args = bound.arguments.get("args")
         if given_args is None:  # the config the next trainer would build itself (SFTConfig, DPOConfig, ...)
             given_args = default_training_args(type(self), bound.arguments.get("model"))

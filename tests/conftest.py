@@ -165,3 +165,27 @@ def launch_env() -> dict:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
+
+
+def free_port() -> int:
+    """A port nothing listens on now (other test runs launch torchrun on this machine at the same time)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def one_process_losses(tmp_path_factory):
+    """The losses of tests/dist/fsdp_train.py's run in this process: the whole global batch, FSDP off (one process),
+    what a sharded run of the same data must reproduce. Computed once per session."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+    import fsdp_train
+
+    losses, decision = fsdp_train.reference_losses(tmp_path_factory.mktemp("one_process"))
+    assert decision["applied"] == "off"
+    return losses

@@ -144,7 +144,7 @@ def test_multinode_yaml_marks_its_placeholders():
     text = (FOLDER / "fsdp2_hybrid_multinode.yaml").read_text()
     assert "main_process_ip: MAIN_NODE_IP  # REPLACE" in text
     assert "machine_rank: 0  # REPLACE on each node" in text
-    assert "--machine_rank 1 examples/finetune.py --speedup fsdp" in text
+    assert "--machine_rank 1 --rdzv_conf timeout=300 examples/finetune.py --speedup fsdp" in text
 
 
 def test_write_returns_text_or_path_and_loads(tmp_path):
@@ -206,3 +206,60 @@ def test_fsdp1_no_shard_file_gives_the_processes_no_shard(tmp_path, monkeypatch)
     monkeypatch.setattr(accelerate_dataclasses, "is_cuda_available", lambda: True)
     plugin = FullyShardedDataParallelPlugin()  # from the env, as in a launched process
     assert (plugin.sharding_strategy or plugin.reshard_after_forward) == ShardingStrategy.NO_SHARD
+
+
+# ------------------------------------------------------------------------------------------ what accelerate refuses
+def test_the_multinode_file_passes_accelerates_own_check_on_the_gpus_it_claims_and_not_on_cpu(monkeypatch):
+    """accelerate's Accelerator() validates the launch file's ParallelismConfig against its distributed type:
+    FSDP2 on GPUs passes; CPU processes (MULTI_CPU, accelerate's FSDP off) are refused."""
+    from types import SimpleNamespace
+
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    for var in [v for v in os.environ if v.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))]:
+        monkeypatch.delenv(var)
+    _launch_env(FOLDER / "fsdp2_hybrid_multinode.yaml", monkeypatch)
+    pc = ParallelismConfig()  # from the env, as Accelerator() builds it
+    gpus = SimpleNamespace(num_processes=16, is_fsdp2=True, multi_device=False, is_main_process=True,
+                           distributed_type=DistributedType.FSDP)
+    pc._validate_accelerator(gpus)
+    cpus = SimpleNamespace(**{**vars(gpus), "is_fsdp2": False, "distributed_type": DistributedType.MULTI_CPU})
+    with pytest.raises(ValueError, match="ParallelismConfig is only compatible DistributedType.FSDP"):
+        pc._validate_accelerator(cpus)
+
+
+def _parallelism_env(monkeypatch, replicate: int, shard: int) -> None:
+    for var in [v for v in os.environ if v.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", str(replicate))
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", str(shard))
+
+
+def test_a_parallelism_config_accelerate_refuses_is_said_when_the_plan_is_made(monkeypatch):
+    _parallelism_env(monkeypatch, 2, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cpu4 = fake_caps(device_type="cpu", world_size=4)
+    with pytest.raises(SpeedupConfigError, match=r"parallelism_config \(dp_replicate_size=2, dp_shard_size=2\) is "
+                                                 r"refused by accelerate on CPU processes .* fix: speedup='fsdp'"):
+        build_plan("auto", cpu4)
+    # the fsdp preset applies that layout with its own FSDP2 on CPU
+    assert build_plan("fsdp", cpu4)["fsdp"].settings.mesh.shape == (2, 2)
+    # a layout that does not cover the processes: accelerate refuses it on any device
+    _parallelism_env(monkeypatch, 2, 8)
+    with pytest.raises(SpeedupConfigError, match=r"covers 16 processes but 4 run; accelerate refuses it .* "
+                                                 r"parallelism_config_dp_shard_size: 2 "):
+        build_plan("auto", fake_caps(**{**CUDA_H100, "world_size": 4}))
+
+
+def test_speedup_trainer_says_so_before_accelerate_refuses(monkeypatch, tiny_model, make_args, dataset, collator):
+    """One CPU process launched with a 2x2 parallelism_config: the stock Trainer stops inside Accelerator() with
+    accelerate's ValueError; SpeedupTrainer refuses first, naming the config section and the fix."""
+    from hf_speedup import SpeedupTrainer
+
+    _parallelism_env(monkeypatch, 2, 2)
+    with pytest.raises(SpeedupConfigError, match=r"covers 4 processes but 1 run; .* fix: set "
+                                                 r"parallelism_config_dp_shard_size: 1 "):
+        SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, data_collator=collator,
+                       speedup="auto")

@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plan",),  # build_plan: orders the features' decisions
     ("stock", "loading", "accelerate_config", "inputs", "estimate"),  # what a plan means outside SpeedupTrainer; input checks
     ("report",),  # the report's schema, collection and sinks
+    ("scaling",),  # a cluster plan: the memory estimate per rank, collectives, a step-time bound by the report's FLOPs
     ("trainer",),  # SpeedupTrainer: composes plan, features and report
     ("bench",),  # hf-speedup bench: presets against the peers, one worker process per variant
     ("trl_support",),  # SpeedupSFTTrainer: the mixin on TRL's SFTTrainer (imports trl)

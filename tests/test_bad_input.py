@@ -409,3 +409,26 @@ def test_errors_come_before_any_model_work(ctx):
         ctx.trainer("lora", model=model, dataset=ctx.rows([[5] * 8] * 4, labels=[[-100] * 8] * 4), collator=None)
     assert {n: type(m) for n, m in model.named_modules()} == before
     assert not hasattr(model, "peft_config")
+
+
+def test_elastic_restarts_that_would_fail_to_reconnect_are_said_at_construction(monkeypatch, caplog, tiny_model,
+                                                                                make_args, dataset, collator):
+    """torchrun --max-restarts N shares its rendezvous store with the workers, and this torch keeps it across a
+    restart: the restarted group would fail in init_process_group. Said when the trainer is built, with the fix."""
+    import logging
+
+    from hf_speedup import SpeedupTrainer
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with caplog.at_level(logging.WARNING, logger="hf_speedup"):
+        SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, data_collator=collator,
+                       speedup="baseline")
+    assert any("torchrun --max-restarts 1: a restarted worker group re-uses the rendezvous store" in r.message
+               and "fix: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.message for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # a store per attempt: nothing to say
+    with caplog.at_level(logging.WARNING, logger="hf_speedup"):
+        SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, data_collator=collator,
+                       speedup="baseline")
+    assert not any("max-restarts" in r.message for r in caplog.records)

@@ -341,3 +341,53 @@ def test_a_failed_start_puts_the_previous_handlers_back(make_args, dataset, coll
     with pytest.raises(RuntimeError, match="gloo is not available"):
         trainer.train()
     assert {n: signal.getsignal(getattr(signal, n)) for n in HANDLED} == own_handlers
+
+
+# ------------------------------------------------------------------------------------------ transformers' JIT save
+class _SigtermThenSlow(TrainerCallback):
+    """SIGTERM at the end of step 2, then slow steps: transformers' JIT checkpoint acts 3 s after the signal.
+    Records the saves the Trainer announces (``on_save``)."""
+
+    def __init__(self):
+        self.during: dict = {}
+        self.saves: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            self.during = {n: signal.getsignal(getattr(signal, n)) for n in HANDLED}
+            signal.raise_signal(signal.SIGTERM)
+        if state.global_step >= 2:
+            time.sleep(0.5)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saves.append(state.global_step)
+
+
+def test_enable_jit_checkpoint_keeps_sigterm_and_one_signal_makes_one_checkpoint(make_args, dataset, collator,
+                                                                                  tmp_path, own_handlers):
+    """The user's TrainingArguments.enable_jit_checkpoint=True wins for SIGTERM: transformers saves (once), the run
+    ends normally; SIGINT and SIGUSR1 stay this feature's. (Before, the feature took SIGTERM over the JIT handler.)"""
+    probe = _SigtermThenSlow()
+    trainer = _trainer(make_args, dataset, collator, tmp_path / "run", callbacks=[probe], max_steps=30,
+                       enable_jit_checkpoint=True)
+    entry = trainer.speedup_status["interrupt"]
+    assert entry.settings.signals == ("SIGINT", "SIGUSR1") and entry.settings.left_to_trainer == ("SIGTERM",)
+    assert "SIGTERM left to TrainingArguments.enable_jit_checkpoint=True (yours)" in entry.decision.reason
+    trainer.train()  # no TrainingInterrupted: transformers' JIT checkpoint stopped the run
+    handler = interrupt.find_callback(trainer)._handler
+    assert probe.during["SIGUSR1"] is handler and probe.during["SIGINT"] is handler
+    assert probe.during["SIGTERM"] is not handler  # transformers' JIT handler
+    step = trainer.state.global_step
+    assert 2 < step < 30 and probe.saves == []  # no save of the Trainer's own (JIT calls _save_checkpoint)
+    # one checkpoint: of the stop step, or of the one before when JIT saved ahead of the last optimizer step
+    saved = [p.name for p in (tmp_path / "run").glob("checkpoint-*")]
+    assert saved in ([f"checkpoint-{step}"], [f"checkpoint-{step - 1}"]), (saved, step)
+
+
+def test_enable_jit_checkpoint_with_several_processes_is_a_reported_fallback(tiny_model, tmp_path):
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), enable_jit_checkpoint=True, use_cpu=True, report_to=[])
+    d = build_plan("auto", fake_caps(**CUDA_H100, world_size=2), tiny_model, args)["interrupt"]
+    assert d.settings.signals == ("SIGINT", "SIGUSR1")
+    assert any("not agreed across ranks" in f and "fix: enable_jit_checkpoint=False" in f for f in d.fallbacks)

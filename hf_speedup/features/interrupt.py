@@ -29,6 +29,11 @@ send after their grace period) still ends the process at once. Under ``torchrun`
 SIGTERM, SIGINT, SIGHUP and SIGQUIT to the workers and gives them ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (30 s)
 before killing them; SIGUSR1 only when ``TORCHELASTIC_SIGNALS_TO_HANDLE`` names it.
 
+``TrainingArguments.enable_jit_checkpoint=True`` (transformers' own save on SIGTERM, 3 s after it, at the next step
+boundary, before the optimizer step included) is the user's choice and wins: SIGTERM is left to it, so one signal
+makes one checkpoint, and this feature keeps the other signals. Its save is not agreed across ranks, so with
+several processes the plan warns (a fallback in the report).
+
 ``auto`` and ``true`` both turn it on; where it cannot work (``train()`` outside the main thread, where
 Python cannot install signal handlers) ``auto`` says so in the report, ``true`` also warns. ``baseline``
 turns it off: signals keep their default action, as with the stock Trainer.
@@ -86,6 +91,7 @@ class TrainingInterrupted(SystemExit):
 class Settings:
     signals: tuple[str, ...]  # the names handled on this platform, in the configured order
     ranks_agree: bool  # several processes planned: the stop step is agreed at every step end
+    left_to_trainer: tuple[str, ...] = ()  # SIGTERM under TrainingArguments.enable_jit_checkpoint: the Trainer's
 
 
 # --------------------------------------------------------------------------------------------- decide
@@ -96,19 +102,30 @@ def decide(ctx: PlanContext) -> Decision:
                         reason="off: signals keep their default action (SIGTERM ends the run without a checkpoint)")
     names = tuple(n for n in s.signals if hasattr(signal, n))
     fallbacks = tuple(f"{n} does not exist on this platform: not handled" for n in s.signals if n not in names)
+    multi = (ctx.caps.world_size or 1) > 1
+    jit = tuple(n for n in names if n == "SIGTERM") if getattr(ctx.args, "enable_jit_checkpoint", False) else ()
+    names = tuple(n for n in names if n not in jit)
+    jit_why = (f"{', '.join(jit)} left to TrainingArguments.enable_jit_checkpoint=True (yours): transformers' JIT "
+               "checkpoint saves on it (one save, not two)") if jit else ""
+    if jit and multi:
+        fallbacks += (f"{jit_why}; but with several processes its save is not agreed across ranks: ranks that get "
+                      "SIGTERM (one node's launcher) save alone while the others train on (a sharded save waits for "
+                      "them); fix: enable_jit_checkpoint=False (this feature makes every rank save the same step)",)
     for fb in fallbacks:
         logger.warning("hf_speedup interrupt fallback: %s", fb)
     if not names:
-        return Decision(NAME, requested=s.enabled, applied=OFF, settings=Settings((), False), fallbacks=fallbacks,
-                        reason=f"off: none of {list(s.signals)} exists on this platform")
-    multi = (ctx.caps.world_size or 1) > 1
+        why = jit_why or f"none of {list(s.signals)} exists on this platform"
+        return Decision(NAME, requested=s.enabled, applied=OFF, settings=Settings((), False, jit), fallbacks=fallbacks,
+                        reason=f"off: {why}")
     codes = ", ".join(f"{128 + int(getattr(signal, n))} for {n}" for n in names)
     reason = (f"on {', '.join(names)}: finish the optimizer step, save checkpoint-<step> into output_dir (whatever "
               f"save_strategy), write the report, then exit 128+signal ({codes})")
     if multi:
         reason += "; the ranks agree on the step to stop at (one integer all-reduce per optimizer step)"
+    if jit_why:
+        reason += f"; {jit_why}"
     return Decision(NAME, requested=s.enabled, applied=APPLIED, reason=reason,
-                    settings=Settings(signals=names, ranks_agree=multi), fallbacks=fallbacks)
+                    settings=Settings(signals=names, ranks_agree=multi, left_to_trainer=jit), fallbacks=fallbacks)
 
 
 # --------------------------------------------------------------------------------------------- apply

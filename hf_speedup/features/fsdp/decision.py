@@ -15,7 +15,14 @@ from ... import compat
 from ...config import FsdpSettings, SpeedupConfig, SpeedupConfigError
 from ...dtypes import long_name
 from ...plan_types import OFF, Decision, PlanContext
-from .launcher import launched, launcher_differences, launcher_fsdp, local_world_size, ram_efficient_loading_set
+from .launcher import (
+    launched,
+    launcher_differences,
+    launcher_fsdp,
+    local_world_size,
+    parallelism_problem,
+    ram_efficient_loading_set,
+)
 from .settings import HSDP_DIMS, LAUNCH_CONFIG, NAME, Mesh, MixedPrecision, Settings, Wrap
 
 logger = logging.getLogger("hf_speedup")
@@ -37,6 +44,7 @@ def decide(ctx: PlanContext) -> Decision:
     device = _device(ctx)
     launcher = launcher_fsdp()
     if not s.enabled:
+        _refuse_launch_parallelism(launcher, device, world, applied_here=False)
         return _not_requested(user_fsdp, device, world, launcher)
 
     requested = {"version": s.version, "strategy": s.strategy, "cpu_offload": s.cpu_offload,
@@ -47,9 +55,10 @@ def decide(ctx: PlanContext) -> Decision:
         backend = _backend(device, world)
         version, fallbacks = _version(s.version, backend)
     except _Off as off:
+        _refuse_launch_parallelism(launcher, device, world, applied_here=False)
         return _off(requested, off.reason, [off.fallback])
-
     strategy, launcher_groups, hsdp_fallbacks, hsdp_notes = _launcher_hsdp(s.strategy, world, launcher, backend)
+    _refuse_launch_parallelism(launcher, device, world, applied_here=backend == "hf_speedup")
     mesh, mesh_fallbacks = _mesh(strategy, world, launcher_groups or _node_groups(world),
                                  launcher_hsdp=launcher_groups is not None)
     fallbacks += hsdp_fallbacks + mesh_fallbacks
@@ -176,6 +185,12 @@ def _lora_state(ctx: PlanContext) -> tuple[bool, str | None]:
     lora_on = bool((d is not None and d.active) or (ctx.model is not None and ctx.model.is_peft))
     q = d.settings.quantization if d is not None and d.active else None
     return lora_on, q or (model_q if model_q in ("4bit", "8bit") else None)
+
+
+def _refuse_launch_parallelism(launcher: dict, device: str, world: int, applied_here: bool) -> None:
+    problem = parallelism_problem(launcher, device, world, applied_here)
+    if problem:
+        raise SpeedupConfigError([problem])
 
 
 def _refuse_int8(quant: str | None) -> None:
@@ -351,12 +366,21 @@ def _notes(s: FsdpSettings, backend: str, user_fsdp: str | None, launcher: dict,
     return notes
 
 
+def _layout(st: Settings) -> str:
+    """HSDP's mesh in words: which dimension runs across nodes, which within one."""
+    if st.strategy != "hybrid_shard" or len(st.mesh.shape) != 2:
+        return ""
+    (replicas, shard), names = st.mesh.shape, st.mesh.dim_names
+    return (f" ({replicas} node(s) x {shard} process(es): mesh {names[0]}={replicas} x {names[1]}={shard}, sharded "
+            "within a node, replicated across nodes)")
+
+
 def _reason(st: Settings, world: int, ac_why: str, notes: list[str]) -> str:
     how = "hf_speedup fully_shard (accelerate shards only on accelerators)" if st.backend == "hf_speedup" else \
         "accelerate via TrainingArguments.fsdp_config"
     mp = st.mixed_precision
     mp_txt = f", mixed precision param {long_name(mp.param_dtype)}/reduce float32" if mp is not None else ""
     lora_txt = ", LoRA adapters sharded with their blocks" if st.lora else ""
-    reason = (f"FSDP{st.version} {st.strategy} over {world} rank(s) by {how}; wrap: {st.wrap.units}"
+    reason = (f"FSDP{st.version} {st.strategy} over {world} rank(s){_layout(st)} by {how}; wrap: {st.wrap.units}"
               f"{mp_txt}{lora_txt}; activation checkpointing: {ac_why}; state dict: {st.state_dict_type}")
     return reason + ("; " + "; ".join(notes) if notes else "")

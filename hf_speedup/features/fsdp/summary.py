@@ -6,6 +6,8 @@ FSDP2 on GPUs), without a collective.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -106,7 +108,7 @@ def sharding_summary(model: nn.Module) -> dict:
     plain_bytes = 0
     placements: set[str] = set()
     devices: set[str] = set()
-    mesh_shape = None
+    mesh = None
     this_rank = 0
     for p in model.parameters():
         nbytes = p.element_size()
@@ -117,7 +119,7 @@ def sharding_summary(model: nn.Module) -> dict:
             this_rank += local.numel() * nbytes
             devices.add(local.device.type)
             placements.add(str(tuple(p.placements)))
-            mesh_shape = list(p.device_mesh.mesh.shape)
+            mesh = p.device_mesh
             for r, n in _per_rank_numel(p).items():
                 rank_bytes[r] = rank_bytes.get(r, 0) + n * nbytes
         else:
@@ -134,7 +136,8 @@ def sharding_summary(model: nn.Module) -> dict:
         "units": units,
         "unit_names": list(getattr(model, UNITS_ATTR, []) or []),
         "world_size": world,
-        "mesh_shape": mesh_shape,
+        "mesh_shape": list(mesh.mesh.shape) if mesh is not None else None,
+        **_mesh_layout(mesh, world),
         "placements": sorted(placements),
         "local_shard_devices": sorted(devices),
         "dtensor_parameters": dt,
@@ -147,6 +150,41 @@ def sharding_summary(model: nn.Module) -> dict:
     }
 
 
+def _mesh_layout(mesh, world: int) -> dict:
+    """The mesh's dimension names, its shard groups (the ranks along the last dimension, which gather and
+    reduce-scatter together) and where they sit: the launcher starts ``LOCAL_WORLD_SIZE`` processes per node
+    and numbers the ranks node by node (torchrun, and accelerate launch through it), so rank r runs on node
+    r // LOCAL_WORLD_SIZE."""
+    if mesh is None:
+        return {}
+    ranks = mesh.mesh
+    groups = ranks.reshape(-1, ranks.shape[-1]).tolist()
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    except ValueError:
+        local = world
+    nodes = max(1, -(-world // local))
+    return {"mesh_dim_names": list(mesh.mesh_dim_names or ()), "shard_groups": groups, "nodes": nodes,
+            "processes_per_node": local,
+            "shard_groups_within_a_node": all(len({r // local for r in g}) == 1 for g in groups)}
+
+
+def describe_layout(summary: dict) -> str:
+    """E.g. ``mesh dp_replicate=2 x dp_shard=2: 2 nodes x 2 processes, shard groups [0, 1] [2, 3] each within one
+    node, replicated across nodes``; empty without a mesh."""
+    shape, names, groups = summary.get("mesh_shape"), summary.get("mesh_dim_names"), summary.get("shard_groups")
+    if not shape or not names or groups is None:
+        return ""
+    nodes, local = summary["nodes"], summary["processes_per_node"]
+    dims = " x ".join(f"{n}={s}" for n, s in zip(names, shape))
+    shown = " ".join(str(g) for g in groups[:4]) + (f" ... ({len(groups)} groups)" if len(groups) > 4 else "")
+    where = "each within one node" if summary["shard_groups_within_a_node"] else "spanning nodes"
+    text = f"mesh {dims}: {nodes} node(s) x {local} process(es), shard group(s) {shown} {where}"
+    if len(shape) > 1 and shape[0] > 1:
+        text += ", replicated across " + ("nodes" if summary["shard_groups_within_a_node"] else "groups")
+    return text
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -156,8 +194,10 @@ def fmt_bytes(n: float) -> str:
 
 
 def describe(summary: dict, strategy: str) -> str:
-    """E.g. ``FSDP2 full_shard: 7 units, 2 ranks, 1.7 MB/rank of 3.4 MB``."""
+    """E.g. ``FSDP2 full_shard: 7 units, 2 ranks, 1.7 MB/rank of 3.4 MB``, then the mesh layout where known."""
     version = summary.get("fsdp_version") or 2
     per_rank = max(summary["rank_bytes"].values()) if summary.get("rank_bytes") else summary.get("this_rank_bytes", 0)
-    return (f"FSDP{version} {strategy}: {summary['units']} units, {summary['world_size']} ranks, "
+    text = (f"FSDP{version} {strategy}: {summary['units']} units, {summary['world_size']} ranks, "
             f"{fmt_bytes(per_rank)}/rank of {fmt_bytes(summary['total_bytes'])}")
+    layout = describe_layout(summary)
+    return f"{text}; {layout}" if layout else text

@@ -16,11 +16,14 @@ from .checkpoint import (
     SCHEDULER_FILE,
     full_model_state_dict,
     full_optimizer_state_dict,
+    holds_fsdp_state,
     load_model_checkpoint,
     load_optimizer_checkpoint,
     save_sharded_model,
     save_sharded_optimizer,
+    shard_count,
 )
+from .launcher import parallelism_kept_from_accelerate
 from .settings import LAUNCH_CONFIG, NAME, plugin_overrides
 from .shard import ShardSpec, shard_model
 
@@ -48,15 +51,32 @@ class FsdpTrainerMixin:
             return None, decision
         return decision.settings.backend, decision
 
+    def _speedup_fsdp_note(self, note: str, level: int) -> None:
+        """Logged, and added to the fsdp entry's reason in the report."""
+        logger.log(level, "hf_speedup fsdp: %s", note)
+        outcome = (getattr(self, "speedup_outcomes", None) or {}).get(NAME)
+        if outcome is not None:
+            outcome.notes.append(note)
+
     # -- setup -----------------------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         backend, decision = self._speedup_fsdp()
         if backend == "accelerate":
             self._speedup_fsdp_plugin_args(decision)
-        super().create_accelerator_and_postprocess()
+        if backend != "hf_speedup":
+            super().create_accelerator_and_postprocess()
+            self._speedup_accelerate_dynamo_off()
+            return
+        with parallelism_kept_from_accelerate() as kept:  # accelerate refuses a ParallelismConfig on CPU processes
+            super().create_accelerator_and_postprocess()
+        if kept:
+            mesh = decision.settings.mesh
+            dims = " x ".join(f"{n}={s}" for n, s in zip(mesh.dim_names, mesh.shape))
+            note = (f"the accelerate launch config's parallelism_config is applied by hf_speedup's FSDP2 (mesh "
+                    f"{dims}); it was kept from accelerate's Accelerator, which refuses it on CPU processes (MULTI_CPU)")
+            self._speedup_fsdp_note(note, logging.INFO)
         self._speedup_accelerate_dynamo_off()
-        if backend == "hf_speedup":
-            self._speedup_fsdp_shard(decision)
+        self._speedup_fsdp_shard(decision)
 
     def _speedup_accelerate_dynamo_off(self) -> None:
         """Keep accelerate from compiling what hf_speedup compiled: with its compile decision active the blocks
@@ -202,19 +222,36 @@ class FsdpTrainerMixin:
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
-    # -- loading ---------------------------------------------------------------------------------------
+    # -- loading ----------------------------------------------------------------------------------------
+    def _speedup_unsharded_fsdp_checkpoint(self, checkpoint: str | None) -> bool:
+        """An FSDP checkpoint resumed by a run that does not shard (one process: FSDP is off at world size 1;
+        DDP): the stock Trainer refuses it ("... is only supported when using PyTorch FSDP") and would skip its
+        optimizer; hf_speedup reads it whole instead (DCP reassembles the shards)."""
+        backend, _ = self._speedup_fsdp()
+        return (checkpoint is not None and backend != "hf_speedup" and not getattr(self, "is_fsdp_enabled", False)
+                and holds_fsdp_state(checkpoint))
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         backend, _ = self._speedup_fsdp()
-        if backend != "hf_speedup":
+        model = model if model is not None else self.model
+        if backend == "hf_speedup":
+            loaded = load_model_checkpoint(model, resume_from_checkpoint)
+            logger.info("hf_speedup fsdp: model state loaded from %s", loaded)
+            return
+        if not self._speedup_unsharded_fsdp_checkpoint(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        loaded = load_model_checkpoint(model if model is not None else self.model, resume_from_checkpoint)
-        logger.info("hf_speedup fsdp: model state loaded from %s", loaded)
+        loaded = load_model_checkpoint(model, resume_from_checkpoint, sharded=False)
+        shards = shard_count(resume_from_checkpoint)
+        note = (f"resumed from an FSDP checkpoint ({f'{shards} shards' if shards else 'full state dict'}) in a run "
+                f"that does not shard: {os.path.basename(loaded)} read whole, optimizer state likewise")
+        self._speedup_fsdp_note(note, logging.WARNING)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         backend, _ = self._speedup_fsdp()
-        if backend != "hf_speedup" or checkpoint is None:
+        sharded = backend == "hf_speedup"
+        if checkpoint is None or not (sharded or self._speedup_unsharded_fsdp_checkpoint(checkpoint)):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        loaded = load_optimizer_checkpoint(self.model, self.optimizer, checkpoint)
+        loaded = load_optimizer_checkpoint(self.model, self.optimizer, checkpoint, sharded=sharded)
         scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
         if loaded and os.path.isfile(scheduler) and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
