@@ -137,7 +137,7 @@ def two_nodes(out):
 @pytest.fixture(scope="module")
 def preempted(out, two_nodes):
     """SIGTERM to node 1's launcher while training; then the relaunch, in which a worker is SIGKILLed."""
-    procs = start_nodes(out, "pre", "--dump-state", "--marker-at", "2", "--slow", "1")
+    procs = start_nodes(out, "pre", "--dump-state", "--marker-at", "3", "--slow", "1")
     deadline = time.monotonic() + 400
     while not (out / "pre.ready").exists() and all(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -65,7 +65,7 @@ def _log(out: Path, tag: str) -> str:
 @pytest.fixture(scope="module")
 def preempted_and_requeued(tmp_path_factory):
     out = tmp_path_factory.mktemp("slurm")
-    job = _job(out, "first", "--marker-at", "2", "--slow", "1")
+    job = _job(out, "first", "--marker-at", "3", "--slow", "1")
     deadline = time.monotonic() + 400
     while not (out / "first.ready").exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
