@@ -109,6 +109,41 @@ def cpu_kind(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def tf32_restored():
+    """TF32 is process-wide torch state: put both API generations back as they were."""
+    from fake_gpu import tf32_restore, tf32_snapshot
+
+    state = tf32_snapshot()
+    yield
+    tf32_restore(state)
+
+
+@pytest.fixture
+def allocator_restored():
+    """The caching-allocator settings are process-wide: expandable_segments back to what it was."""
+    from hf_speedup.compat import get_allocator_settings, set_allocator_settings
+
+    before = get_allocator_settings()
+    yield
+    set_allocator_settings("expandable_segments:True" if before and "expandable_segments:true" in before.lower()
+                           else "expandable_segments:False")
+
+
+@pytest.fixture
+def gpu_host(monkeypatch, tf32_restored, allocator_restored):
+    """This machine as a host with one H100 (tests/fake_gpu.py), up to the first real CUDA call."""
+    import bitsandbytes  # noqa: F401  (imported on the real, CUDA-less torch before it is faked)
+    import peft  # noqa: F401
+    from transformers.utils.import_utils import enable_tf32
+
+    from fake_gpu import GpuHost
+
+    enable_tf32.cache_clear()  # so TrainingArguments built on this host set TF32 as they would there
+    yield GpuHost().install(monkeypatch)
+    enable_tf32.cache_clear()
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip cleanly on machines without CUDA (CI never has one)."""
     import torch
