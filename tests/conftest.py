@@ -100,12 +100,11 @@ def assert_same_in_dtype(actual, expected, dtype: str, name: str = "") -> None:
 
 @pytest.fixture(params=sorted(CPU_KINDS))
 def cpu_kind(request, monkeypatch):
-    """Fake the CPU's bf16 capability (AMX or not), so tests exercise both precision paths anywhere."""
-    import hf_speedup.hardware as hardware
+    """Fake the CPU's bf16 capability (AMX or not), so tests exercise both precision paths anywhere; through
+    the environment, so the processes a test launches (torchrun, accelerate launch) plan for the same CPU."""
+    from hf_speedup.hardware import FAKE_CPU_AMX
 
-    amx = CPU_KINDS[request.param]
-    why = ("faked for the test: CPU has AMX tiles" if amx else "faked for the test: CPU without AMX")
-    monkeypatch.setattr(hardware, "_cpu_bf16", lambda: (amx, why))
+    monkeypatch.setenv(FAKE_CPU_AMX, "1" if CPU_KINDS[request.param] else "0")
     return request.param
 
 

@@ -67,12 +67,13 @@ def losses(trainer) -> dict[int, float]:
     return {int(h["step"]): float(h["loss"]) for h in trainer.state.log_history if "loss" in h}
 
 
-def reference_losses(out, speedup="fsdp") -> tuple[dict[int, float], dict]:
-    """One process, the whole global batch: what the sharded run must reproduce."""
+def reference_losses(out, speedup="fsdp") -> tuple[dict[int, float], dict, str]:
+    """One process, the whole global batch: what the sharded run must reproduce (losses, the FSDP entry, the
+    compute dtype)."""
     tok, ds = data()
     tr = trainer_for(build(0), make_args(out, GLOBAL_BATCH, save_strategy="no"), speedup, tok, ds)
     tr.train()
-    return losses(tr), tr.speedup_status["fsdp"].to_dict()
+    return losses(tr), tr.speedup_status["fsdp"].to_dict(), tr.speedup_status["precision"].settings.name
 
 
 def _facts(trainer) -> dict:
@@ -96,6 +97,7 @@ def _facts(trainer) -> dict:
         "checkpointing": trainer.speedup_status["checkpointing"].to_dict(),
         "lora": trainer.speedup_status["lora"].to_dict(),
         "compute_dtype": trainer.speedup_status["precision"].settings.name,  # "bf16" on AMX CPUs, else "fp32"
+        "precision_reason": trainer.speedup_status["precision"].decision.reason,
     }
 
 
