@@ -67,14 +67,22 @@ def test_use_cpu_on_a_gpu_host_plans_exactly_as_on_a_cpu_host(preset, tiny_model
     assert _decisions(on_gpu_host) == _decisions(on_cpu_host)
 
 
-def test_a_trainer_told_use_cpu_on_a_gpu_host_plans_for_the_cpu_and_names_it(gpu_host, tiny_model, dataset,
-                                                                            collator, make_args):
-    trainer = SpeedupTrainer(model=tiny_model, args=make_args(use_cpu=True), train_dataset=dataset,
-                             data_collator=collator, speedup="fast")
+def test_a_trainer_told_use_cpu_on_a_gpu_host_trains_on_the_cpu_without_touching_cuda(gpu_host, tiny_model, dataset,
+                                                                                     collator, make_args):
+    """Planned for the CPU, named in the report, and no CUDA call at all: the verification probes (here the
+    checkpointing one of ``memory``) fork the RNG of the devices the model is on, not of a GPU it is not on."""
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(use_cpu=True, max_steps=1), train_dataset=dataset,
+                             data_collator=collator, speedup="memory")
     caps = trainer.speedup_plan.caps
     assert (caps.device_type, caps.device, caps.device_reason) == ("cpu", "cpu", "TrainingArguments.use_cpu=True")
-    assert trainer.speedup_plan["liger"].applied == "off" and "this is cpu" in trainer.speedup_plan["liger"].reason
-    assert "on " + caps.device_name + " (cpu)" in trainer.speedup_report.table()
+    assert "no CUDA caching allocator" in trainer.speedup_plan["memory"].reason
+    trainer.train()
+    assert trainer.speedup_status["checkpointing"].engaged is True
+    report = trainer.speedup_report.to_dict()
+    assert (report["environment"]["device"], report["environment"]["device_reason"]) == (
+        "cpu", "TrainingArguments.use_cpu=True")
+    assert f"on {caps.device_name} (cpu)" in trainer.speedup_report.table()
+    assert gpu_host.events == []  # CUDA never initialised
 
 
 # ------------------------------------------------------------------------------------------ as on an H100
