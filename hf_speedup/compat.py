@@ -124,6 +124,21 @@ def unwrap_optimizer(opt: Any) -> Any:
     return opt
 
 
+def dynamo_recompile_limit(config: Any = None) -> int | None:
+    """How many graphs dynamo compiles for one frame before running it eager: ``recompile_limit`` (torch >= 2.7),
+    ``cache_size_limit`` (torch 2.6, where the new name does not exist)."""
+    if config is None:
+        try:
+            import torch._dynamo.config as config
+        except ImportError:
+            return None
+    for name in ("recompile_limit", "cache_size_limit"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return int(value)
+    return None
+
+
 # --------------------------------------------------------------------------- TF32 / caching allocator
 
 
