@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -155,6 +156,8 @@ def test_cuda_memory_preset_engages(tiny_model, dataset, collator, make_args, al
     assert d.engaged is True, d.engaged_reason
     assert trainer.args.torch_empty_cache_steps == 2
     assert torch.cuda.memory.get_allocator_backend() == "native"
+    reached = re.search(r"(\d+)/(\d+) segments reserved since the setting expandable", d.engaged_reason)
+    assert reached and int(reached.group(1)) > 0, d.engaged_reason  # training reserved expandable segments
     x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # a new segment after the setting
     segments = torch.cuda.memory_snapshot()
     assert any(s.get("is_expandable") for s in segments), segments[:2]

@@ -270,4 +270,5 @@ def test_cuda_auto_engages_bf16_or_fp16_and_tf32(tiny_model, dataset, collator, 
     if not caps.bf16:
         assert trainer.accelerator.scaler is not None
     assert tf32_matmul_enabled() is bool(caps.tf32)
+    assert torch.get_float32_matmul_precision() == ("high" if caps.tf32 else "highest")  # as inductor reads it
     assert torch.backends.cudnn.benchmark is True
