@@ -148,7 +148,7 @@ def probe(args: Any = None) -> Capabilities:
                   torch_version=torch.__version__, device=str(device), device_reason=why)
     if device.type == "cuda":
         return _cuda_caps(device.index or 0, common)
-    if device.type in ("xpu", "mps"):
+    if device.type != "cpu":
         return _other_accelerator_caps(device, common)
     bf16, bf16_reason = _cpu_bf16()
     common["memory_bytes"] = _physical_memory()
@@ -180,7 +180,8 @@ def _cuda_caps(idx: int, common: dict) -> Capabilities:
 
 
 def _other_accelerator_caps(device, common: dict) -> Capabilities:
-    """XPU or MPS: what torch says of it; no TF32 and no bitsandbytes (hf_speedup runs those on CUDA only)."""
+    """XPU, MPS or another accelerator: what torch says of it, planned conservatively where hf_speedup has
+    measured nothing; no TF32 and no bitsandbytes (hf_speedup runs those on CUDA only)."""
     import torch
 
     bnb_reason = f"hf_speedup runs bitsandbytes on CUDA only (this is {device.type})"
@@ -195,12 +196,15 @@ def _other_accelerator_caps(device, common: dict) -> Capabilities:
             bf16=bf16, bf16_reason="XPU " + ("supports bf16" if bf16 else "without bf16"), fp16=True,
             fused_adamw=True, bitsandbytes=False, bitsandbytes_reason=bnb_reason, compile=comp,
             compile_reason=comp_reason, **common)
-    common["memory_bytes"] = _physical_memory()  # unified memory
+    mps = device.type == "mps"
+    if mps:
+        common["memory_bytes"] = _physical_memory()  # unified memory
     return Capabilities(
-        device_type="mps", device_name="Apple MPS", device_count=1, bf16=False,
-        bf16_reason="bf16 autocast on MPS is not measured by hf_speedup: fp32 unless asked", fp16=False,
-        fused_adamw=True, bitsandbytes=False, bitsandbytes_reason=bnb_reason, compile=False,
-        compile_reason="inductor on MPS is experimental in torch", **common)
+        device_type=device.type, device_name="Apple MPS" if mps else device.type.upper(), device_count=1,
+        bf16=False, bf16_reason=f"bf16 autocast on {device.type} is not measured by hf_speedup: fp32 unless asked",
+        fp16=False, fused_adamw=mps, bitsandbytes=False, bitsandbytes_reason=bnb_reason, compile=False,
+        compile_reason=f"hf_speedup compiles on CUDA, XPU and CPU; inductor on {device.type} is not measured",
+        **common)
 
 
 def _physical_memory() -> int | None:

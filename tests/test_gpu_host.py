@@ -51,6 +51,20 @@ def test_the_probe_asks_about_the_local_ranks_gpu(gpu_host, monkeypatch, make_ar
     assert probe(args).device == "cuda:1" and set(gpu_host.queried) == {1}
 
 
+@pytest.mark.parametrize("device", ["mps", "hpu"])
+def test_another_accelerator_is_planned_for_as_itself_conservatively(device, tiny_model):
+    """An Apple GPU (or an accelerator hf_speedup has measured nothing on) is not planned as a CPU, nor as CUDA."""
+    from types import SimpleNamespace
+
+    caps = probe(SimpleNamespace(use_cpu=False, device=torch.device(device)))
+    assert (caps.device_type, caps.device, caps.device_reason) == (device, device, f"TrainingArguments.device={device}")
+    assert not (caps.bf16 or caps.tf32 or caps.bitsandbytes or caps.compile)
+    plan = build_plan("fast", caps, tiny_model)
+    assert plan["precision"].applied == "fp32" and f"tf32: n/a on {device}" in plan["precision"].reason
+    assert plan["compile"].applied == "off" and plan["liger"].applied == "off"
+    assert plan["optimizer"].applied == ("adamw_fused" if device == "mps" else "adamw")
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_use_cpu_on_a_gpu_host_plans_exactly_as_on_a_cpu_host(preset, tiny_model, make_args, tf32_restored,
                                                               allocator_restored):
