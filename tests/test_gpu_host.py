@@ -51,6 +51,26 @@ def test_the_probe_asks_about_the_local_ranks_gpu(gpu_host, monkeypatch, make_ar
     assert probe(args).device == "cuda:1" and set(gpu_host.queried) == {1}
 
 
+def test_stock_arguments_and_the_cli_plan_for_the_device_too(gpu_host, tmp_path, capsys):
+    """training_arguments() plans for the arguments' device; hf-speedup plan/estimate --cpu for a CPU run."""
+    import json
+
+    from hf_speedup import training_arguments
+    from hf_speedup.cli import main
+
+    on_gpu = training_arguments("auto", output_dir=str(tmp_path / "a"), report_to=[])
+    assert on_gpu.bf16 is True and on_gpu.tf32 is True
+    on_cpu = training_arguments("auto", output_dir=str(tmp_path / "b"), report_to=[], use_cpu=True)
+    assert on_cpu.tf32 is None and on_cpu.dataloader_pin_memory is False
+    assert main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"]["applied"] == "bf16+tf32"
+    assert main(["plan", "--cpu", "--json"]) == 0
+    cpu_plan = json.loads(capsys.readouterr().out)
+    assert "tf32: n/a on cpu" in cpu_plan["precision"]["reason"] and cpu_plan["liger"]["applied"] == "off"
+    assert main(["estimate", "--cpu", "--seq-len", "64"]) == 0
+    assert "on cpu, micro-batch 8 x 64 tokens" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("device", ["mps", "hpu"])
 def test_another_accelerator_is_planned_for_as_itself_conservatively(device, tiny_model):
     """An Apple GPU (or an accelerator hf_speedup has measured nothing on) is not planned as a CPU, nor as CUDA."""
