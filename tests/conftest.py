@@ -137,15 +137,18 @@ def allocator_restored():
 @pytest.fixture
 def gpu_host(monkeypatch, tf32_restored, allocator_restored):
     """This machine as a host with one H100 (tests/fake_gpu.py), up to the first real CUDA call."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU is here: the gpu tests check the real thing")
     import bitsandbytes  # noqa: F401  (imported on the real, CUDA-less torch before it is faked)
     import peft  # noqa: F401
-    from transformers.utils.import_utils import enable_tf32
 
-    from fake_gpu import GpuHost
+    from fake_gpu import GpuHost, clear_device_caches
 
-    enable_tf32.cache_clear()  # so TrainingArguments built on this host set TF32 as they would there
+    clear_device_caches()  # transformers caches what it found of this machine: it is another one now
     yield GpuHost().install(monkeypatch)
-    enable_tf32.cache_clear()
+    clear_device_caches()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -96,10 +96,28 @@ class GpuHost:
         return self
 
 
+# transformers' answers about the machine, cached per process (``lru_cache``), and its TF32 switch, cached per value
+CACHED_DEVICE_CHECKS = ("is_torch_cuda_available", "is_torch_bf16_gpu_available", "is_torch_tf32_available",
+                        "is_torch_fp16_available_on_device", "is_torch_bf16_available_on_device", "enable_tf32")
+
+
+def clear_device_caches() -> None:
+    from transformers.utils import import_utils
+
+    for name in CACHED_DEVICE_CHECKS:
+        fn = getattr(import_utils, name, None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
 # ---------------------------------------------------------------------------------- process-wide torch state
 def tf32_snapshot() -> dict:
     """TF32 settings of both torch API generations, to put back after a test changed them."""
-    state = {"legacy": torch.get_float32_matmul_precision(), "cudnn": torch.backends.cudnn.allow_tf32}
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # set through the new API alone (transformers' enable_tf32): put back readable
+        legacy = "high"
+    state = {"legacy": legacy, "cudnn": torch.backends.cudnn.allow_tf32}
     if hasattr(torch.backends, "fp32_precision"):
         state.update(glob=torch.backends.fp32_precision, mm=torch.backends.cuda.matmul.fp32_precision,
                      onednn=torch.backends.mkldnn.matmul.fp32_precision)
