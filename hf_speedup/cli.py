@@ -59,6 +59,15 @@ def _load_model_for_plan(ns):
                        "use --tiny") from None
 
 
+def _probe(ns):
+    """The capabilities of the device a run launched like this trains on (``--cpu``: TrainingArguments' use_cpu)."""
+    from types import SimpleNamespace
+
+    from .hardware import probe
+
+    return probe(SimpleNamespace(use_cpu=True) if ns.cpu else None)
+
+
 def _cmd_plan(ns) -> int:
     from .plan import build_plan
     from .report import Report
@@ -66,7 +75,7 @@ def _cmd_plan(ns) -> int:
     from .presets import resolve
 
     config = resolve(ns.preset if not ns.config else ns.config)  # a bad config fails before any model is built
-    report = Report(build_plan(config, model=_load_model_for_plan(ns)))
+    report = Report(build_plan(config, caps=_probe(ns), model=_load_model_for_plan(ns)))
     if ns.json:
         import json
 
@@ -113,7 +122,6 @@ def _cmd_estimate(ns) -> int:
 
     from .config import SpeedupConfigError, parse_size
     from .estimate import cheapest_fit, describe_for_estimate, estimate_described, fits_text
-    from .hardware import probe
     from .memory_model import fmt_bytes
     from .presets import resolve
     from .report.console import fmt_params, table
@@ -133,7 +141,7 @@ def _cmd_estimate(ns) -> int:
         raise CliError(f"estimate: no causal-LM config could be read from {ns.model or ns.config!r} "
                        f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); fix: a "
                        "model directory or config.json, a .gguf file, a cached hub id, or --tiny") from None
-    caps = probe()
+    caps = _probe(ns)
     memory = parse_size(ns.memory) if ns.memory else caps.memory_bytes
     if ns.memory and not memory:
         raise CliError(f"estimate --memory {ns.memory!r}: not a size; fix: e.g. --memory 80GB or --memory 24GiB")
@@ -223,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_mutually_exclusive_group()
     g.add_argument("--model", help="hub id or local path (only its config is read)")
     g.add_argument("--tiny", action="store_true", help="plan for the embedded tiny Llama (default)")
+    s.add_argument("--cpu", action="store_true", help="for a run on this machine's CPU (TrainingArguments use_cpu, "
+                                                      "accelerate launch --cpu) though it has a GPU")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_plan)
 
@@ -258,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     s.add_argument("--memory", help="memory to fit in, e.g. 80GB or 24GiB (default: this device's memory)")
     s.add_argument("--padded", action="store_true", help="batches carry a padding mask (no packing)")
+    s.add_argument("--cpu", action="store_true", help="for a run on this machine's CPU (TrainingArguments use_cpu, "
+                                                      "accelerate launch --cpu) though it has a GPU")
     s.add_argument("--json", action="store_true", help="the estimate as JSON")
     g = s.add_argument_group("scaling plan (FSDP against HSDP on several nodes; hf_speedup.scaling)")
     g.add_argument("--nodes", type=int, help="nodes: print per-rank memory, bytes sent per step and a step-time "

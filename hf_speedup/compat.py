@@ -124,41 +124,89 @@ def unwrap_optimizer(opt: Any) -> Any:
     return opt
 
 
+def dynamo_recompile_limit(config: Any = None) -> int | None:
+    """How many graphs dynamo compiles for one frame before running it eager: ``recompile_limit`` (torch >= 2.7),
+    ``cache_size_limit`` (torch 2.6, where the new name does not exist)."""
+    if config is None:
+        try:
+            import torch._dynamo.config as config
+        except ImportError:
+            return None
+    for name in ("recompile_limit", "cache_size_limit"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return int(value)
+    return None
+
+
 # --------------------------------------------------------------------------- TF32 / caching allocator
 
 
-def tf32_matmul_enabled() -> bool:
-    """Whether fp32 CUDA matmuls may use TF32, read without tripping torch's legacy/new-API mixing check.
+# torch < 2.9 has one API: ``torch.set_float32_matmul_precision`` ("high" = TF32 for cuBLAS; ``allow_tf32`` is
+# the same flag) and ``torch.backends.cudnn.allow_tf32``. torch >= 2.9 adds ``fp32_precision`` per backend and
+# op ("tf32" | "ieee" | "none" = inherit) plus a process-wide ``torch.backends.fp32_precision``, and keeps the
+# legacy calls as a view of it: the legacy setters write both generations, but a value set only through the
+# new API makes the legacy getters raise ("mix of the legacy and new APIs"). transformers' ``enable_tf32``
+# (TrainingArguments' ``tf32``, ``torch_compile``) sets the process-wide new value; inductor reads both
+# ``torch.get_float32_matmul_precision()`` (GEMM autotuning keys) and
+# ``torch.backends.cuda.matmul.fp32_precision``. So TF32 is set through the legacy setters, which every reader
+# then agrees with, and read through :func:`tf32_matmul_state`.
 
-    torch >= 2.9 has ``fp32_precision`` ("tf32" | "ieee" | "none" = inherit); transformers sets the new
-    API, and reading the legacy ``allow_tf32`` after that raises, so the new API is read first.
+_NEW_TF32_API = hasattr(torch.backends, "fp32_precision")  # torch >= 2.9
+
+
+def tf32_matmul_state() -> tuple[bool, str]:
+    """(TF32 on for CUDA fp32 matmuls and readable the way inductor reads it, what each API answers).
+
+    False when the APIs disagree or ``torch.get_float32_matmul_precision()`` raises: inductor's GEMM
+    autotuning calls it for every matmul it compiles, so such a state fails the compile.
     """
-    matmul = torch.backends.cuda.matmul
     try:
-        prec = getattr(matmul, "fp32_precision", None)
+        legacy = torch.get_float32_matmul_precision()
     except RuntimeError:
-        prec = None
-    if prec not in (None, "none"):
-        return prec == "tf32"
-    glob = getattr(torch.backends, "fp32_precision", None)
-    if glob not in (None, "none"):
-        return glob == "tf32"
+        new = _fp32_precision(torch.backends.cuda.matmul)
+        return False, (f"torch.get_float32_matmul_precision() raises (fp32_precision={new!r} was set through torch's "
+                       "new API alone, as transformers' enable_tf32 does): inductor's GEMM autotuning reads it and "
+                       "fails; fix: set TF32 with torch.set_float32_matmul_precision('high')")
+    text = f"torch.get_float32_matmul_precision()={legacy!r}"
+    on = legacy != "highest"
+    if _NEW_TF32_API:
+        new = _fp32_precision(torch.backends.cuda.matmul)
+        text += f", torch.backends.cuda.matmul.fp32_precision={new!r}"
+        if new not in (None, "none") and (new == "tf32") != on:
+            return False, text + " (the two APIs disagree: cuBLAS follows fp32_precision)"
+    return on, text
+
+
+def _fp32_precision(backend) -> str | None:
     try:
-        return bool(matmul.allow_tf32)
+        return getattr(backend, "fp32_precision", None)
     except RuntimeError:
-        return False
+        return None
+
+
+def tf32_matmul_enabled() -> bool:
+    """Whether fp32 CUDA matmuls may use TF32, read as inductor reads it (see :func:`tf32_matmul_state`)."""
+    return tf32_matmul_state()[0]
 
 
 def set_tf32(enable: bool) -> None:
-    """TF32 for fp32 matmuls through transformers' own switch, past its per-value cache (``lru_cache``), which
-    skips a value it has seen before even when another value was set since."""
-    try:
-        from transformers.utils.import_utils import enable_tf32
-    except ImportError:  # transformers without it: the legacy flags it would set
-        torch.backends.cuda.matmul.allow_tf32 = enable
-        torch.backends.cudnn.allow_tf32 = enable
-        return
-    getattr(enable_tf32, "__wrapped__", enable_tf32)(enable)
+    """TF32 for CUDA fp32 matmuls and cuDNN convolutions, one way on every torch: through the legacy setters,
+    which torch >= 2.9 mirrors into the new per-backend values, so both API generations read the same.
+
+    A process-wide ``torch.backends.fp32_precision`` left by transformers' ``enable_tf32`` is reset first
+    (it also reaches the CPU's oneDNN, and with it the legacy getter raises), and the oneDNN matmul value that
+    the legacy matmul setter writes too is put back: this switch is for CUDA only.
+    """
+    onednn = None
+    if _NEW_TF32_API:
+        if torch.backends.fp32_precision != "none":
+            torch.backends.fp32_precision = "none"
+        onednn = _fp32_precision(torch.backends.mkldnn.matmul)
+    torch.set_float32_matmul_precision("high" if enable else "highest")
+    torch.backends.cudnn.allow_tf32 = enable
+    if onednn is not None:
+        torch.backends.mkldnn.matmul.fp32_precision = onednn
 
 
 def get_allocator_settings() -> str | None:

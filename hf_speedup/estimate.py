@@ -119,7 +119,7 @@ def estimate_described(described: tuple[ModelInfo, bool], speedup: Any, *, batch
     cfg = resolve(speedup)
     if cfg.memory.budget is not None and cfg.memory.seq_len is None:
         cfg = cfg.replace(memory={"seq_len": seq_len})
-    caps = caps if caps is not None else probe()
+    caps = caps if caps is not None else probe(args)
     if world_size != caps.world_size:
         caps = dataclasses.replace(caps, world_size=world_size)
     if info.shape is None:

@@ -18,7 +18,7 @@ from .presets import resolve
 def build_plan(config: Any = "auto", caps: Capabilities | None = None, model: Any = None, args: Any = None) -> Plan:
     """Decide every feature. ``config`` as ``speedup=`` takes it; ``model`` an ``nn.Module`` or a :class:`ModelInfo`."""
     cfg = resolve(config)
-    caps = caps if caps is not None else probe()
+    caps = caps if caps is not None else probe(args)  # the device these arguments train on
     info = model if (model is None or isinstance(model, ModelInfo)) else describe_model(model)
     ctx = PlanContext(config=cfg, caps=caps, model=info, args=args)
     for feature in FEATURES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .compat import replace_args
+from .compat import replace_args, set_tf32
 from .features import FEATURES
 from .features.data import EXPLICIT_ARGS_ATTR
 from .inputs import check, launch_problems
@@ -75,6 +75,8 @@ def _stock_args(args_cls, preset: Any, kwargs: dict):
                        "be expressed in %s: the stock Trainer keeps padding; use SpeedupTrainer (or, with TRL, "
                        "sft_config, which sets SFTConfig.padding_free)", name, args_cls.__name__)
     out = replace_args(args, overrides)
+    if getattr(out, "tf32", None) is not None and plan.caps.tf32:
+        set_tf32(out.tf32)  # as the arguments just set it, but readable by inductor (see compat.set_tf32)
     setattr(out, EXPLICIT_ARGS_ATTR, explicit)  # SpeedupTrainer keeps these over a preset's loader choices
     return out
 

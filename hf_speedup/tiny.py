@@ -79,6 +79,12 @@ def make_dataset(tokenizer, n: int = 512, seed: int = 0, task: str = "mixed", pa
     """
     from datasets import Dataset
 
+    return Dataset.from_dict(tokenized_columns(tokenizer, n, seed, task, pack_to))
+
+
+def tokenized_columns(tokenizer, n: int = 512, seed: int = 0, task: str = "mixed",
+                      pack_to: int | None = None) -> dict[str, list]:
+    """The columns of :func:`make_dataset` (``input_ids``, ``attention_mask``), without the ``datasets`` package."""
     if task == "arithmetic":
         texts = arithmetic_examples(n, seed)
     elif task == "reverse":
@@ -98,7 +104,7 @@ def make_dataset(tokenizer, n: int = 512, seed: int = 0, task: str = "mixed", pa
             rows.append(cur)
         texts = rows
     enc = tokenizer(texts, truncation=True, max_length=pack_to or 128)
-    return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
 
 
 def causal_lm_collator(tokenizer, pad_to_multiple_of: int | None = None):

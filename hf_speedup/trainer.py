@@ -65,7 +65,7 @@ class SpeedupMixin(FsdpTrainerMixin, CrashSafeMixin):
         if user_init is not None:  # the plan needs a model: the first one model_init makes, as the Trainer would
             bound.arguments["model"] = _call_model_init(user_init, None, training_args)
         model = bound.arguments.get("model")
-        self.speedup_plan = build_plan(config, probe(), model, training_args)
+        self.speedup_plan = build_plan(config, probe(training_args), model, training_args)
         # what apply and verify find, beside the frozen plan; ``speedup_status`` joins the two per feature
         self.speedup_outcomes = {feature.NAME: Outcome() for feature in FEATURES}
         self.speedup_status = self.speedup_plan.states(self.speedup_outcomes)

@@ -23,9 +23,14 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def dataset(tokenizer):
-    from hf_speedup.tiny import make_dataset
+    """256 packed rows; a list of rows where the ``datasets`` package is missing (the GPU machine's image)."""
+    from hf_speedup.tiny import make_dataset, tokenized_columns
 
-    return make_dataset(tokenizer, n=256, seed=0, pack_to=64)
+    try:
+        return make_dataset(tokenizer, n=256, seed=0, pack_to=64)
+    except ImportError:
+        columns = tokenized_columns(tokenizer, n=256, seed=0, pack_to=64)
+        return [dict(zip(columns, row)) for row in zip(*columns.values())]
 
 
 @pytest.fixture
@@ -132,13 +137,50 @@ def assert_same_in_dtype(actual, expected, dtype: str, name: str = "") -> None:
 
 @pytest.fixture(params=sorted(CPU_KINDS))
 def cpu_kind(request, monkeypatch):
-    """Fake the CPU's bf16 capability (AMX or not), so tests exercise both precision paths anywhere."""
-    import hf_speedup.hardware as hardware
+    """Fake the CPU's bf16 capability (AMX or not), so tests exercise both precision paths anywhere; through
+    the environment, so the processes a test launches (torchrun, accelerate launch) plan for the same CPU."""
+    from hf_speedup.hardware import FAKE_CPU_AMX
 
-    amx = CPU_KINDS[request.param]
-    why = ("faked for the test: CPU has AMX tiles" if amx else "faked for the test: CPU without AMX")
-    monkeypatch.setattr(hardware, "_cpu_bf16", lambda: (amx, why))
+    monkeypatch.setenv(FAKE_CPU_AMX, "1" if CPU_KINDS[request.param] else "0")
     return request.param
+
+
+@pytest.fixture
+def tf32_restored():
+    """TF32 is process-wide torch state: put both API generations back as they were."""
+    from fake_gpu import tf32_restore, tf32_snapshot
+
+    state = tf32_snapshot()
+    yield
+    tf32_restore(state)
+
+
+@pytest.fixture
+def allocator_restored():
+    """The caching-allocator settings are process-wide: expandable_segments back to what it was."""
+    from hf_speedup.compat import get_allocator_settings, set_allocator_settings
+
+    before = get_allocator_settings()
+    yield
+    set_allocator_settings("expandable_segments:True" if before and "expandable_segments:true" in before.lower()
+                           else "expandable_segments:False")
+
+
+@pytest.fixture
+def gpu_host(monkeypatch, tf32_restored, allocator_restored):
+    """This machine as a host with one H100 (tests/fake_gpu.py), up to the first real CUDA call."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a real GPU is here: the gpu tests check the real thing")
+    import bitsandbytes  # noqa: F401  (imported on the real, CUDA-less torch before it is faked)
+    import peft  # noqa: F401
+
+    from fake_gpu import GpuHost, clear_device_caches
+
+    clear_device_caches()  # transformers caches what it found of this machine: it is another one now
+    yield GpuHost().install(monkeypatch)
+    clear_device_caches()
 
 
 def pytest_collection_modifyitems(config, items):

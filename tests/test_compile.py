@@ -307,6 +307,17 @@ class TestRecompiles:
         assert not engaged and "hit torch._dynamo recompile_limit" in why
         assert "fix: set compile.dynamic: null (or true)" in why  # static shapes: padding alone cannot fix it
 
+    def test_the_recompile_limit_is_read_under_torch_2_6s_name_too(self):
+        """torch 2.6 calls it cache_size_limit (recompile_limit from 2.7): read by the new name only, the limit
+        was None there and blocks that hit it were still reported engaged."""
+        from types import SimpleNamespace
+
+        from hf_speedup.compat import dynamo_recompile_limit
+
+        assert dynamo_recompile_limit(SimpleNamespace(cache_size_limit=8)) == 8  # torch 2.6's config
+        assert dynamo_recompile_limit(SimpleNamespace(recompile_limit=4, cache_size_limit=4)) == 4
+        assert dynamo_recompile_limit() == rc._recompile_limit() == torch._dynamo.config.recompile_limit
+
     def test_static_shapes_recompile_per_length_and_are_counted(self, tiny_model, tokenizer):
         compiled(tiny_model, dynamic=False)
         for n in (8, 12, 16):

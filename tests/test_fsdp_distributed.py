@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import launch_env
+from hf_speedup.hardware import FAKE_CPU_AMX
 
 pytestmark = [pytest.mark.distributed]
 if importlib.util.find_spec("pytest_timeout") is not None:
@@ -32,8 +34,15 @@ import fsdp_train as F  # noqa: E402
 FULL_BYTES = 213_568 * 4  # the tiny Llama (hidden 64, 4 blocks, vocab 512) in fp32
 
 
-def _launch(cmd: list[str], out: Path) -> list[dict]:
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=540)
+# The torchrun run and its reference plan for a CPU without AMX whatever the machine (fp32: the tight check of
+# the sharded math); the bf16 path is its "strategies" phase (forced bf16) and the accelerate launch below,
+# run for both CPU kinds.
+NO_AMX = {FAKE_CPU_AMX: "0"}
+
+
+def _launch(cmd: list[str], out: Path, env: dict | None = None) -> list[dict]:
+    proc = subprocess.run(cmd, cwd=ROOT, env={**launch_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=540)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
@@ -50,15 +59,24 @@ def _exe(name: str) -> str:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
-    ranks = _launch([_exe("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out)], out)
+    ranks = _launch([_exe("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out)], out,
+                    NO_AMX)
     return out, ranks
+
+
+def _reference(out: Path, env: dict) -> tuple[dict[int, float], dict]:
+    """The single-process reference, planned in the environment of the launch it is compared with."""
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        losses, decision, dtype = F.reference_losses(out)
+    assert decision["applied"] == "off"  # one process: FSDP off (the reason says why), same preset otherwise
+    return losses, dtype
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    losses, decision = F.reference_losses(tmp_path_factory.mktemp("reference"))
-    assert decision["applied"] == "off"  # one process: FSDP off (the reason says why), same preset otherwise
-    return losses
+    return _reference(tmp_path_factory.mktemp("reference"), NO_AMX)[0]
 
 
 def _tolerance(rank0: dict) -> float:
@@ -224,15 +242,22 @@ def test_the_stock_trainer_trap_and_a_stale_optimizer(run):
 
 
 # ------------------------------------------------------------------------------------------ accelerate launch
-def test_accelerate_launch_with_the_shipped_fsdp2_yaml(tmp_path, reference):
-    """The documented command, on CPU: the YAML's FSDP is ignored by accelerate there, hf_speedup shards."""
+def test_accelerate_launch_with_the_shipped_fsdp2_yaml(tmp_path, cpu_kind):
+    """The documented command, on CPU: the YAML's FSDP is ignored by accelerate there, hf_speedup shards.
+
+    ``--mixed_precision no`` is the launcher's choice, and the plan keeps it on every CPU, also where ``auto``
+    alone would pick bf16 (AMX); the reference is planned under the same launcher setting (like with like).
+    """
     out = tmp_path / "acc"
     cmd = [_exe("accelerate"), "launch", "--config_file", "configs/accelerate/fsdp2_full_shard.yaml",
            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0",
            str(SCRIPT), "--out", str(out), "--phases", "main"]
-    ranks = _launch(cmd, out)
+    ranks = _launch(cmd, out, {FAKE_CPU_AMX: os.environ[FAKE_CPU_AMX]})
+    reference, dtype = _reference(tmp_path / "reference", {"ACCELERATE_MIXED_PRECISION": "no"})
+    assert dtype == "fp32"
     for res in ranks:
         m = res["main"]
+        assert m["compute_dtype"] == "fp32" and "launcher's mixed_precision=no" in m["precision_reason"]
         assert m["all_dtensor"] and m["wrapped_class"] == "FSDPLlamaForCausalLM"
         assert m["summary"]["this_rank_bytes"] == FULL_BYTES // 2
         assert m["decision"]["engaged"] is True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -21,14 +22,6 @@ from hf_speedup.plan_types import Outcome
 
 def plan_for(caps: dict, preset: str = "memory", args=None):
     return build_plan(preset, caps=fake_caps(**caps), args=args)["memory"]
-
-
-@pytest.fixture
-def restore_allocator():
-    before = get_allocator_settings()
-    yield
-    set_allocator_settings("expandable_segments:True" if before and "expandable_segments:true" in before.lower()
-                           else "expandable_segments:False")
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -70,7 +63,7 @@ def test_memory_env_for_launchers_follows_the_preset():
     assert memory.memory_env("auto", {}) == {}
 
 
-def test_enable_before_cuda_init_exports_env_and_sets_the_allocator(monkeypatch, restore_allocator):
+def test_enable_before_cuda_init_exports_env_and_sets_the_allocator(monkeypatch, allocator_restored):
     monkeypatch.setattr(memory, "cuda_initialized", lambda: False)
     env: dict = {}
     ok, how = memory.enable_expandable_segments(env)
@@ -78,17 +71,43 @@ def test_enable_before_cuda_init_exports_env_and_sets_the_allocator(monkeypatch,
     assert "expandable_segments:True" in get_allocator_settings()
 
 
-def test_enable_after_cuda_init_sets_it_at_run_time_only_and_says_what_that_means(monkeypatch, restore_allocator):
-    monkeypatch.setattr(memory, "cuda_initialized", lambda: True)
+def test_enable_after_cuda_init_sets_it_at_run_time_and_says_which_segments_it_reaches(gpu_host):
+    """The probe of a GPU run initialises CUDA (torch read PYTORCH_CUDA_ALLOC_CONF then): the env is not
+    pretended; the run-time setting reaches every segment reserved after it, none before it."""
+    gpu_host.init()
     set_allocator_settings("expandable_segments:False")
     env: dict = {}
     ok, how = memory.enable_expandable_segments(env)
-    assert ok and env == {}  # too late for the env to matter: not pretended
-    assert "run time after CUDA initialised" in how and "stay fixed-size" in how
+    assert ok and env == {}
+    assert "before the first CUDA allocation: every segment is expandable" in how
     assert "expandable_segments:True" in get_allocator_settings()
+    gpu_host.reserve(3 * 2**30, expandable=False)  # the model weights, moved to the GPU before the trainer
+    ok, how = memory.enable_expandable_segments({})
+    assert ok and "the 1 segment(s) reserved before now (3.00 GiB, e.g. the model weights) stay fixed-size" in how
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before launching" in how
 
 
-def test_enabling_keeps_the_users_other_allocator_settings(monkeypatch, restore_allocator):
+def test_expandable_is_engaged_only_when_the_segments_reserved_after_it_are_expandable(gpu_host, make_args):
+    """Reading the settings back is not enough: where the allocator keeps reserving fixed-size segments
+    (a driver without virtual memory management, cudaMallocAsync) it is not engaged."""
+    gpu_host.init()
+    gpu_host.reserve(2**30, expandable=False)  # weights, before the setting
+    d = plan_for(CUDA_H100)
+    outcome = Outcome()
+    memory.apply(d, None, outcome)
+    trainer = SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=50))
+    engaged, reason = memory.verify(d, trainer, outcome)
+    assert engaged is True and "0/0 segments reserved since the setting expandable (1 reserved before it" in reason
+    gpu_host.reserve(2**29, expandable=False)  # the first step's activations: the setting did not take
+    engaged, reason = memory.verify(d, trainer, outcome)
+    assert engaged is False and "0/1 segments reserved since the setting expandable" in reason
+    assert "NOT in force" in reason
+    gpu_host.segments[-1]["is_expandable"] = True
+    engaged, reason = memory.verify(d, trainer, outcome)
+    assert engaged is True and "1/1 segments reserved since the setting expandable" in reason
+
+
+def test_enabling_keeps_the_users_other_allocator_settings(monkeypatch, allocator_restored):
     """torch resets every allocator option a settings string leaves out: ours must carry the user's."""
     monkeypatch.setattr(memory, "cuda_initialized", lambda: True)
     set_allocator_settings("max_split_size_mb:256,garbage_collection_threshold:0.6")
@@ -100,7 +119,7 @@ def test_enabling_keeps_the_users_other_allocator_settings(monkeypatch, restore_
     assert get_allocator_settings() == "max_split_size_mb:128,expandable_segments:True"
 
 
-def test_verify_reads_the_allocator_and_the_trainer_args(restore_allocator):
+def test_verify_reads_the_allocator_and_the_trainer_args(allocator_restored):
     d = plan_for(CUDA_H100)
     set_allocator_settings("expandable_segments:False")
     engaged, reason = memory.verify(d, SimpleNamespace(args=SimpleNamespace(torch_empty_cache_steps=50)), Outcome())
@@ -128,7 +147,7 @@ def test_memory_preset_on_cpu_is_reported_not_engaged(monkeypatch, tiny_model, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_memory_preset_engages(tiny_model, dataset, collator, make_args, restore_allocator):
+def test_cuda_memory_preset_engages(tiny_model, dataset, collator, make_args, allocator_restored):
     cfg = get_preset("baseline").replace(memory={"empty_cache_steps": 2, "expandable_segments": True})
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=3, use_cpu=False), train_dataset=dataset,
                              data_collator=collator, speedup=cfg)
@@ -137,6 +156,8 @@ def test_cuda_memory_preset_engages(tiny_model, dataset, collator, make_args, re
     assert d.engaged is True, d.engaged_reason
     assert trainer.args.torch_empty_cache_steps == 2
     assert torch.cuda.memory.get_allocator_backend() == "native"
+    reached = re.search(r"(\d+)/(\d+) segments reserved since the setting expandable", d.engaged_reason)
+    assert reached and int(reached.group(1)) > 0, d.engaged_reason  # training reserved expandable segments
     x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # a new segment after the setting
     segments = torch.cuda.memory_snapshot()
     assert any(s.get("is_expandable") for s in segments), segments[:2]

@@ -181,12 +181,11 @@ def test_compute_dtype_follows_args_then_weights():
     assert M.compute_dtype(None, nn.Linear(2, 2).to(torch.float16), "cuda") == "fp16"
 
 
-def test_fp32_with_tf32_on_is_tf32_as_transformers_sets_it(monkeypatch):
-    """transformers turns TF32 on through torch's new fp32_precision API, after which the legacy getter
-    raises: read that way the peak would be fp32's, ~7x too low for an H100, and MFU ~7x too high."""
+def test_fp32_with_tf32_on_is_tf32(tf32_restored):
+    """fp32 matmuls with TF32 on are counted at the TF32 peak: at the fp32 peak (~7x lower on an H100)
+    MFU would read ~7x too high."""
     from hf_speedup.compat import set_tf32
 
-    monkeypatch.setattr(torch.backends, "fp32_precision", torch.backends.fp32_precision)  # put back after
     set_tf32(True)
     assert M.compute_dtype(None, nn.Linear(2, 2), "cuda") == "tf32"
     assert M.compute_dtype(None, nn.Linear(2, 2), "cpu") == "fp32"

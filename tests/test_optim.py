@@ -161,7 +161,7 @@ def test_an_optimizer_passed_by_the_user_is_reported_as_a_mismatch(tiny_model, d
 @needs_bnb
 def test_8bit_adamw_verified_from_the_live_bitsandbytes_optimizer(monkeypatch, tiny_model, dataset, collator, make_args):
     """bitsandbytes >= 0.45 runs 8-bit AdamW on CPU too, so the verify path runs on real objects here."""
-    monkeypatch.setattr("hf_speedup.trainer.probe", lambda: fake_caps(**dict(CPU_NO_BF16, bitsandbytes=True)))
+    monkeypatch.setattr("hf_speedup.trainer.probe", lambda args=None: fake_caps(**dict(CPU_NO_BF16, bitsandbytes=True)))
     cfg = get_preset("baseline").replace(optimizer={"name": "adamw_8bit"})
     trainer = _trainer(cfg, tiny_model, dataset, collator, make_args)
     trainer.train()
@@ -176,7 +176,7 @@ def test_8bit_adamw_verified_from_the_live_bitsandbytes_optimizer(monkeypatch, t
 
 @needs_bnb
 def test_paged_8bit_on_cpu_parameters_is_not_reported_as_paged(monkeypatch, tiny_model, dataset, collator, make_args):
-    monkeypatch.setattr("hf_speedup.trainer.probe", lambda: fake_caps(**dict(CPU_NO_BF16, bitsandbytes=True)))
+    monkeypatch.setattr("hf_speedup.trainer.probe", lambda args=None: fake_caps(**dict(CPU_NO_BF16, bitsandbytes=True)))
     cfg = get_preset("baseline").replace(optimizer={"name": "paged_adamw_8bit"})
     trainer = _trainer(cfg, tiny_model, dataset, collator, make_args)
     trainer.create_optimizer()  # enough to inspect; bitsandbytes would warn and run unpaged on CPU

@@ -119,7 +119,7 @@ def test_multi_process_decides_the_same_as_one_process():
 
 
 def test_strict_error_is_raised_by_the_trainer_before_any_model_work(monkeypatch, tiny_model, dataset, make_args):
-    monkeypatch.setattr("hf_speedup.trainer.probe", lambda: fake_caps(**CUDA_V100))
+    monkeypatch.setattr("hf_speedup.trainer.probe", lambda args=None: fake_caps(**CUDA_V100))
     before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
     cfg = get_preset("baseline").replace(precision={"dtype": "bf16", "strict": True})
     with pytest.raises(SpeedupConfigError, match="precision.strict = true"):
@@ -151,7 +151,7 @@ def test_auto_on_this_cpu_runs_what_it_planned(tiny_model, dataset, collator, ma
 
 
 def test_bf16_on_an_amx_cpu_really_autocasts(monkeypatch, tiny_model, dataset, collator, make_args):
-    monkeypatch.setattr("hf_speedup.trainer.probe", lambda: fake_caps(**CPU_AMX))
+    monkeypatch.setattr("hf_speedup.trainer.probe", lambda args=None: fake_caps(**CPU_AMX))
     cfg = get_preset("baseline").replace(precision={"dtype": "auto"})
     trainer = _train(cfg, tiny_model, dataset, collator, make_args)
     d = trainer.speedup_status["precision"]
@@ -200,19 +200,60 @@ def test_an_amd_gpu_gets_no_tf32_though_its_capability_number_is_high(monkeypatc
     assert h100.tf32 and not h100.rocm
 
 
-def test_tf32_is_set_even_where_transformers_cached_the_value(monkeypatch):
+def test_tf32_is_set_even_where_transformers_cached_the_value(tf32_restored):
     """transformers' enable_tf32 is cached per value: True, False, True leaves it off. apply sets it anyway."""
     from transformers.utils.import_utils import enable_tf32
 
     from hf_speedup.compat import tf32_matmul_enabled
 
-    monkeypatch.setattr(torch.backends, "fp32_precision", torch.backends.fp32_precision)  # put back after
     d = plan_for(CUDA_H100)
     assert d.settings.tf32 is True
+    enable_tf32.cache_clear()
     enable_tf32(True), enable_tf32(False), enable_tf32(True)  # what three TrainingArguments in one process do
+    enable_tf32.cache_clear()
     assert tf32_matmul_enabled() is False
     precision.apply(d, None, Outcome())
     assert tf32_matmul_enabled() is True
+
+
+def test_tf32_on_is_read_the_way_inductor_reads_it(tf32_restored):
+    """transformers' enable_tf32 (TrainingArguments' tf32, torch_compile) sets torch's new fp32_precision API
+    alone, after which torch.get_float32_matmul_precision() raises; inductor calls it for every GEMM it
+    autotunes under max-autotune on CUDA, and the guarded blocks then ran eager. After hf_speedup's switch
+    both API generations answer, whichever of the two set TF32 first or last."""
+    from transformers.utils.import_utils import enable_tf32
+    from torch._inductor.select_algorithm import create_precompile_key
+
+    d = plan_for(CUDA_H100)
+    set_by_transformers = getattr(enable_tf32, "__wrapped__", enable_tf32)
+    set_by_transformers(True)  # TrainingArguments(tf32=True) built on an Ampere+ GPU
+    precision.apply(d, None, Outcome())
+    assert torch.get_float32_matmul_precision() == "high"
+    assert create_precompile_key("mm", "inputs", []) == "mm:inputs:high"  # inductor's own read
+    assert torch.backends.cuda.matmul.allow_tf32 is True and torch.backends.cudnn.allow_tf32 is True
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.mkldnn.matmul.fp32_precision == "none"  # the CPU's oneDNN is not this switch's
+    set_by_transformers(True)  # the trainer's own TrainingArguments copy, built after apply
+    assert torch.get_float32_matmul_precision() == "high"
+    off = plan_for(CUDA_H100, tf32=False)
+    precision.apply(off, None, Outcome())
+    set_by_transformers(False)
+    assert torch.get_float32_matmul_precision() == "highest" and torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def test_verify_reports_tf32_that_inductor_cannot_read_as_not_engaged(tf32_restored, tiny_model, make_args):
+    """TF32 set through torch's new API alone reads as on there, but inductor's read raises: not engaged."""
+    from types import SimpleNamespace
+
+    if not hasattr(torch.backends, "fp32_precision"):
+        pytest.skip("torch < 2.9 has one TF32 API")
+    d = plan_for(CUDA_H100)
+    torch.backends.fp32_precision = "tf32"  # what transformers' enable_tf32 does on torch >= 2.9
+    trainer = SimpleNamespace(model=tiny_model, accelerator=SimpleNamespace(mixed_precision="bf16", native_amp=True))
+    engaged, reason = precision.verify(d, trainer, Outcome())
+    assert engaged is False and "MISMATCH: planned tf32=True" in reason
+    assert "torch.get_float32_matmul_precision() raises" in reason
 
 
 @pytest.mark.gpu
@@ -229,4 +270,5 @@ def test_cuda_auto_engages_bf16_or_fp16_and_tf32(tiny_model, dataset, collator, 
     if not caps.bf16:
         assert trainer.accelerator.scaler is not None
     assert tf32_matmul_enabled() is bool(caps.tf32)
+    assert torch.get_float32_matmul_precision() == ("high" if caps.tf32 else "highest")  # as inductor reads it
     assert torch.backends.cudnn.benchmark is True

@@ -135,6 +135,21 @@ def test_cuda_memory_snapshot_of_the_window(make_args, tiny_model, dataset, coll
     assert callback.results["steps"] == [2, 2] and len(callback.results["top_operators"]) == 5
 
 
+def test_a_memory_snapshot_that_failed_to_dump_says_so(tmp_path, monkeypatch):
+    """Not "written when the window closes" after the window closed: the dump's error."""
+    def dump(path):
+        raise RuntimeError("no allocator history")
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump)
+    callback = ProfilerCallback(Settings(enabled=True, memory_snapshot=True, device="cuda"))
+    callback.trace_dir, callback.worker, callback.snapshot_recording, callback.results = tmp_path, "w", True, {}
+    callback._end_snapshot()
+    entry = callback.results["memory_snapshot"]
+    assert entry["engaged"] is False and entry["path"] is None
+    assert entry["reason"] == "memory_snapshot: dump failed: RuntimeError('no allocator history')"
+
+
 def test_decide_snapshot_on_cuda_only():
     cfg = {"base": "baseline", "profile": {"enabled": True}}
     cuda = build_plan(cfg, fake_caps(**CUDA_H100))["profile"]

@@ -628,9 +628,4 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
 
 
 def _recompile_limit() -> int | None:
-    try:
-        import torch._dynamo.config as dconfig
-
-        return int(dconfig.recompile_limit)
-    except (ImportError, AttributeError):
-        return None
+    return compat.dynamo_recompile_limit()

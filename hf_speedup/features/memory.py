@@ -9,8 +9,10 @@ Expandable segments are read by torch from ``PYTORCH_CUDA_ALLOC_CONF`` (falling 
 ``PYTORCH_ALLOC_CONF`` in torch >= 2.9) when the allocator is first configured. SpeedupTrainer therefore
 (1) exports both variables when CUDA is not initialised yet (child processes inherit them) and (2) always
 sets the option at run time too (``torch._C._accelerator_setAllocatorSettings``), which torch reads at
-every new segment: segments reserved before that (typically the model weights, loaded before the trainer
-is built) stay fixed-size, the report says so. For the whole run, set it before launching::
+every new segment. On a GPU, CUDA is initialised before the trainer applies it (by TrainingArguments and the
+hardware probe), so the variables are too late there and the run-time setting is what acts: segments
+reserved before it (typically the model weights, loaded before the trainer is built) stay fixed-size, the
+report says how many. For the whole run, set it before launching::
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True accelerate launch train.py
     # or, first thing in the script:  hf_speedup.features.memory.enable_expandable_segments()
@@ -23,8 +25,9 @@ On CPU neither knob exists (no CUDA caching allocator): reported, not engaged.
   it is not applied (tensors live in the CUDA caching allocator), with that reason.
 
 Engagement rule: ``engaged`` is True iff every requested knob that applies here is verified in force (the
-trainer's ``args.torch_empty_cache_steps``, the allocator settings read back from torch, and for the CPU
-knob a probe: re-allocating a freed 40 MiB block must not fault its pages in again).
+trainer's ``args.torch_empty_cache_steps``; the allocator settings read back from torch and, once the
+allocator reserved segments after the setting, at least one of them expandable; for the CPU knob a probe:
+re-allocating a freed 40 MiB block must not fault its pages in again).
 """
 
 from __future__ import annotations
@@ -83,11 +86,22 @@ def cuda_initialized() -> bool:
     return bool(torch.cuda.is_initialized())
 
 
+def _cuda_segments() -> list[dict]:
+    """The CUDA caching allocator's segments now (none before CUDA initialises: no query initialises it)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    return list(torch.cuda.memory_snapshot())
+
+
 def enable_expandable_segments(environ: MutableMapping[str, str] | None = None) -> tuple[bool, str]:
     """Turn expandable segments on as early as possible: env (if CUDA is not up yet) + run-time setting.
 
-    Returns (set, how): ``set`` is False only when this torch offers no way to change it at run time and
-    CUDA is already initialised.
+    torch reads the env once, when CUDA initialises (the hardware probe of a GPU run does that, and so do
+    TrainingArguments built on a GPU); the run-time setting applies to every segment the allocator reserves
+    from then on. Returns (set, how): ``set`` is False only when this torch offers no way to change it at
+    run time and CUDA is already initialised; ``how`` says which segments it reaches.
     """
     environ = os.environ if environ is None else environ
     early = not cuda_initialized()
@@ -98,11 +112,22 @@ def enable_expandable_segments(environ: MutableMapping[str, str] | None = None) 
     live = set_allocator_settings(_merge(in_force, "expandable_segments", "True"))
     if early:
         return True, f"exported {ENV_VARS[0]}/{ENV_VARS[1]}={environ[ENV_VARS[0]]} before CUDA initialised"
-    if live:
-        return True, ("set at run time after CUDA initialised: segments reserved before now (e.g. the model "
-                      f"weights) stay fixed-size; for the whole run set {ENV_VARS[0]}={EXPANDABLE} before launching")
-    return False, (f"CUDA was already initialised and this torch cannot change it at run time; set "
-                   f"{ENV_VARS[0]}={EXPANDABLE} before launching, e.g. in the environment of `accelerate launch`")
+    if not live:
+        return False, (f"CUDA was already initialised and this torch cannot change it at run time; set "
+                       f"{ENV_VARS[0]}={EXPANDABLE} before launching, e.g. in the environment of `accelerate launch`")
+    before = _cuda_segments()
+    if not before:
+        return True, ("set at run time after CUDA initialised (too late for the environment variable, which torch "
+                      "read then) but before the first CUDA allocation: every segment is expandable")
+    held = sum(int(seg.get("total_size", 0)) for seg in before)
+    return True, (f"set at run time after CUDA initialised: the {len(before)} segment(s) reserved before now "
+                  f"({held / 2**30:.2f} GiB, e.g. the model weights) stay fixed-size; for the whole run set "
+                  f"{ENV_VARS[0]}={EXPANDABLE} before launching")
+
+
+def segment_addresses() -> list[int]:
+    """Addresses of the segments reserved so far: those the run-time setting cannot reach."""
+    return [int(seg.get("address", 0)) for seg in _cuda_segments()]
 
 
 # --------------------------------------------------------------------------------------------- decide
@@ -275,31 +300,45 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
     if not decision.settings.expandable_segments:
         return
     ok, how = enable_expandable_segments()
-    outcome.facts["expandable_how"] = how
+    outcome.facts.update(expandable_how=how, expandable_set=ok, segments_before=segment_addresses())
     (logger.info if ok else logger.warning)("hf_speedup memory: expandable_segments %s", how)
 
 
 # --------------------------------------------------------------------------------------------- verify
-def _expandable_in_force() -> tuple[bool, str]:
+def _expandable_in_force(outcome: Outcome) -> tuple[bool, str]:
+    """The settings read back from torch, and the proof: the segments reserved since the setting are expandable.
+
+    Segments reserved before it (``segments_before``) cannot be. Where later segments exist and none is
+    expandable the setting did not take (cudaMallocAsync, a driver without virtual memory management: torch
+    then warns "expandable_segments not supported on this platform" and reserves fixed-size segments).
+    """
     import torch
 
     conf = get_allocator_settings()
-    if conf is None:  # torch without a getter: the env is the best evidence there is
+    if conf is None:  # torch < 2.9 has no getter: what was set, and the env
         conf = next((os.environ[v] for v in ENV_VARS if os.environ.get(v)), "")
-        source = "env"
+        on = outcome.facts.get("expandable_set", False) or "expandable_segments:true" in conf.replace(" ", "").lower()
+        text = f"set at run time: {bool(outcome.facts.get('expandable_set'))}, env: {conf!r}"
     else:
-        source = "torch allocator settings"
-    on = "expandable_segments:true" in conf.replace(" ", "").lower()
-    text = f"{source}: {conf!r}"
-    if on and torch.cuda.is_available():
-        backend = torch.cuda.memory.get_allocator_backend()
-        text += f", backend {backend}"
-        if backend != "native":
-            return False, text + " (cudaMallocAsync ignores expandable_segments)"
-        segments = torch.cuda.memory_snapshot()
-        n_exp = sum(1 for seg in segments if seg.get("is_expandable"))
-        text += f", {n_exp}/{len(segments)} reserved segments expandable so far"
-    return on, text
+        on = "expandable_segments:true" in conf.replace(" ", "").lower()
+        text = f"torch allocator settings: {conf!r}"
+    if not (on and torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return on, text
+    backend = torch.cuda.memory.get_allocator_backend()
+    text += f", backend {backend}"
+    if backend != "native":
+        return False, text + " (cudaMallocAsync ignores expandable_segments)"
+    before = set(outcome.facts.get("segments_before", ()))
+    segments = _cuda_segments()
+    since = [seg for seg in segments if int(seg.get("address", 0)) not in before]
+    n_exp = sum(1 for seg in since if seg.get("is_expandable"))
+    text += (f", {n_exp}/{len(since)} segments reserved since the setting expandable"
+             + (f" ({len(segments) - len(since)} reserved before it stay fixed-size)" if len(since) < len(segments)
+                else ""))
+    if since and not n_exp:
+        return False, text + (" -> NOT in force: the allocator reserves fixed-size segments (this platform or "
+                              "allocator does not support expandable segments)")
+    return True, text
 
 
 def _cpu_reuse_in_force(how: str | None) -> tuple[bool, str]:
@@ -348,7 +387,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         ok = ok and have == st.empty_cache_steps
         parts.append(f"args.torch_empty_cache_steps={have}")
     if st.expandable_segments:
-        on, text = _expandable_in_force()
+        on, text = _expandable_in_force(outcome)
         ok = ok and on
         parts.append(f"expandable_segments {'on' if on else 'OFF'} ({text})")
         if outcome.facts.get("expandable_how"):

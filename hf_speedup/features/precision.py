@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..compat import set_tf32, tf32_matmul_enabled
+from ..compat import set_tf32, tf32_matmul_state
 from ..config import SpeedupConfigError
 from ..dtypes import short_name, to_dtype
 from ..plan_types import Decision, Outcome, PlanContext
@@ -261,8 +261,10 @@ def training_args(decision: Decision, args) -> dict:
 
 def apply(decision: Decision, setup, outcome: Outcome) -> None:
     """cudnn.benchmark is process-global torch state, not a TrainingArguments field: set it here. TF32 too is
-    set again here: transformers' ``enable_tf32`` is cached per value, so in a process that already ran with
-    another value (a notebook, a sweep) the TrainingArguments alone would leave the last run's setting."""
+    set here, through :func:`~hf_speedup.compat.set_tf32`: transformers' ``enable_tf32`` is cached per value
+    (in a process that already ran with another value the TrainingArguments alone would leave the last run's
+    setting), and sets torch's new API alone, which leaves ``torch.get_float32_matmul_precision()`` raising
+    for inductor."""
     if decision.settings.tf32 is not None:
         set_tf32(decision.settings.tf32)
     if decision.settings.cudnn_benchmark:
@@ -313,8 +315,8 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     parts.append(f"trainable weights {weights}")
     accelerated = want != "fp32"
     if st.tf32 is not None:
-        on = tf32_matmul_enabled()
-        parts.append(f"TF32 matmuls {'on' if on else 'off'}")
+        on, how = tf32_matmul_state()  # as inductor reads it: a state its GEMM autotuning cannot read is not on
+        parts.append(f"TF32 matmuls {'on' if on else 'off'} ({how})")
         if on != st.tf32:
             ok = False
             parts.append(f"MISMATCH: planned tf32={st.tf32}")

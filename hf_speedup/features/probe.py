@@ -13,7 +13,8 @@ def eager_train_mode(model):
     change training, nor trigger a compile)."""
     modes = [(m, m.training) for m in model.modules()]
     stance = getattr(torch.compiler, "set_stance", None)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    # the RNG of the GPUs the model is on: a CPU run on a GPU host must not initialise CUDA here
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
         with torch.random.fork_rng(devices=devices), (stance("force_eager") if stance else contextlib.nullcontext()):
             model.train()

@@ -288,12 +288,16 @@ class ProfilerCallback(TrainerCallback):
         path = self.outcome.facts.get("memory_snapshot")
         return {"engaged": bool(path), "path": path,
                 "reason": "allocator history of the profiled steps, for https://pytorch.org/memory_viz" if path
-                else "written when the window closes"}
+                else _snapshot_failure(self.outcome) or "written when the window closes"}
 
     def _publish(self) -> None:
         report = getattr(self.trainer, "speedup_report", None)
         if report is not None:
             report.profile = self.results
+
+
+def _snapshot_failure(outcome: Outcome) -> str | None:
+    return next((f for f in outcome.fallbacks if f.startswith("memory_snapshot:")), None)
 
 
 def top_operators(averages, n: int, device: bool) -> dict:
@@ -332,7 +336,8 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     registered = any(isinstance(cb, ProfilerCallback) for cb in all_callbacks(trainer))
     parts = [f"{len(labels)} labelled blocks", "labelled loss" if loss else "loss not labelled",
              "profiler callback registered" if registered else "profiler callback MISSING"]
-    snapshot = ("memory snapshot " + (outcome.facts.get("memory_snapshot") or "after the window")
+    snapshot = ("memory snapshot " + (outcome.facts.get("memory_snapshot") or _snapshot_failure(outcome)
+                                      or "after the window")
                 if s.memory_snapshot else f"no memory snapshot on {s.device}")
     trace = outcome.facts.get("trace_file")
     if outcome.facts.get("window_missed"):

@@ -100,7 +100,7 @@ def plan_table(report: dict, width: int = 80, max_reason_lines: int | None = Non
     env = report.get("environment") or {}
     caps = report.get("capabilities") or {}
     device = env.get("device_name") or caps.get("device_name") or "?"
-    dtype = env.get("device_type") or caps.get("device_type") or "?"
+    dtype = env.get("device") or caps.get("device") or env.get("device_type") or caps.get("device_type") or "?"
     title = f"hf_speedup plan: preset '{report.get('preset')}' on {device} ({dtype})"
     return plan_table_rows(title, plan_rows(report.get("plan") or {}, verified), width, max_reason_lines)
 

@@ -208,7 +208,7 @@ def compute_dtype(args: Any = None, model: Any = None, device_type: str = "cpu")
         weights = next((short_name(p.dtype) for p in model.parameters() if p.is_floating_point()), "fp32")
         if weights in ("bf16", "fp16"):
             return weights
-    if device_type == "cuda" and tf32_matmul_enabled():  # read as transformers sets it (torch's new API)
+    if device_type == "cuda" and tf32_matmul_enabled():  # read as inductor reads it (both torch APIs)
         return "tf32"
     return "fp32"
 
@@ -561,6 +561,6 @@ def environment(caps: Any = None) -> dict:
     env = {"hf_speedup": __version__, **package_versions(), "python": platform.python_version(),
            "cuda": getattr(torch.version, "cuda", None), "platform": platform.platform(terse=True)}
     if caps is not None:
-        env.update(device_type=caps.device_type, device_name=caps.device_name, device_count=caps.device_count,
-                   world_size=caps.world_size)
+        env.update(device_type=caps.device_type, device=caps.device, device_reason=caps.device_reason,
+                   device_name=caps.device_name, device_count=caps.device_count, world_size=caps.world_size)
     return env

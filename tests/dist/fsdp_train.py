@@ -4,6 +4,7 @@
     accelerate launch --multi_gpu --num_processes 2 tests/dist/fsdp_train.py --out DIR --phases main
     accelerate launch --config_file configs/accelerate/fsdp2_full_shard.yaml --num_processes 2 \
         tests/dist/fsdp_train.py --out DIR --phases main
+    torchrun --standalone --nproc_per_node 1 tests/dist/fsdp_train.py --out DIR --phases main --cuda  # NCCL
 
 Every rank writes ``DIR/rank<R>.json`` with what it saw on the live objects; the test compares the ranks
 with each other and with a single-process reference (:func:`reference_losses`: same data, same global batch).
@@ -30,6 +31,7 @@ GLOBAL_BATCH = 8
 LR = 1e-3
 MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 PHASES = ("main", "resume", "lora", "offload", "full", "strategies", "trap")
+CUDA = False  # --cuda: train on the GPUs (NCCL), as the GPU plan does with one process
 
 
 def build(seed: int = 0):
@@ -49,7 +51,7 @@ def make_args(out, per_device: int, **kw):
     from transformers import TrainingArguments
 
     base = dict(output_dir=str(out), per_device_train_batch_size=per_device, max_steps=STEPS, learning_rate=LR,
-                logging_steps=1, report_to=[], use_cpu=True, save_strategy="steps", save_steps=SAVE_AT, seed=0,
+                logging_steps=1, report_to=[], use_cpu=not CUDA, save_strategy="steps", save_steps=SAVE_AT, seed=0,
                 dataloader_num_workers=0, disable_tqdm=True, dataloader_drop_last=True)
     base.update(kw)
     return TrainingArguments(**base)
@@ -67,12 +69,13 @@ def losses(trainer) -> dict[int, float]:
     return {int(h["step"]): float(h["loss"]) for h in trainer.state.log_history if "loss" in h}
 
 
-def reference_losses(out, speedup="fsdp") -> tuple[dict[int, float], dict]:
-    """One process, the whole global batch: what the sharded run must reproduce."""
+def reference_losses(out, speedup="fsdp") -> tuple[dict[int, float], dict, str]:
+    """One process, the whole global batch: what the sharded run must reproduce (losses, the FSDP entry, the
+    compute dtype)."""
     tok, ds = data()
     tr = trainer_for(build(0), make_args(out, GLOBAL_BATCH, save_strategy="no"), speedup, tok, ds)
     tr.train()
-    return losses(tr), tr.speedup_status["fsdp"].to_dict()
+    return losses(tr), tr.speedup_status["fsdp"].to_dict(), tr.speedup_status["precision"].settings.name
 
 
 def _facts(trainer) -> dict:
@@ -83,7 +86,11 @@ def _facts(trainer) -> dict:
     model = trainer.model
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     w = getattr(emb, "weight", None)
+    import torch.distributed as dist
+
     return {
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "parameter_devices": sorted({str(p.device) for p in model.parameters()}),
         "summary": sharding_summary(model),
         "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
         "trainable_dtensor": all(isinstance(p, DTensor) for p in model.parameters() if p.requires_grad),
@@ -96,6 +103,7 @@ def _facts(trainer) -> dict:
         "checkpointing": trainer.speedup_status["checkpointing"].to_dict(),
         "lora": trainer.speedup_status["lora"].to_dict(),
         "compute_dtype": trainer.speedup_status["precision"].settings.name,  # "bf16" on AMX CPUs, else "fp32"
+        "precision_reason": trainer.speedup_status["precision"].decision.reason,
     }
 
 
@@ -121,7 +129,7 @@ def phase_main(out: Path, rank: int, res: dict) -> None:
     tr.save_model(str(out / "final"))
     tr.model.eval()
     with torch.no_grad():
-        res["main"]["final_loss_sharded"] = float(tr.model(**batch).loss)
+        res["main"]["final_loss_sharded"] = float(tr.model(**{k: v.to(tr.args.device) for k, v in batch.items()}).loss)
     if rank == 0:
         from transformers import LlamaForCausalLM
 
@@ -288,7 +296,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument("--cuda", action="store_true", help="train on the GPUs (NCCL) instead of CPU processes")
     ns = p.parse_args(argv)
+    global CUDA
+    CUDA = ns.cuda
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))

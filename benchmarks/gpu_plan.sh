@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The GPU plan on a machine with a CUDA GPU: the `gpu` tests, then the benchmark (benchmarks/gpu.py).
+#   bash benchmarks/gpu_plan.sh              # both (about 20 minutes on one H100)
+#   bash benchmarks/gpu_plan.sh tests        # pytest -m gpu only (under 10 minutes)
+#   bash benchmarks/gpu_plan.sh bench [ARGS] # benchmarks/gpu.py only; ARGS go to it (e.g. --variants stock,fast)
+# Wheels from benchmarks/gpu_wheels.sh (.whl/) are installed first when present. Results go to $OUT (the
+# device machine's output folder) or runs/gpu_plan: device.txt, gpu_tests.log/.xml, bench.{json,md,png,log},
+# bench_logs.tar.gz (at most 8 files, as the device machine returns them). The exit status is the tests'.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+part="${1:-all}"
+[ $# -gt 0 ] && shift
+out="${OUT:-runs/gpu_plan}"
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD"
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers, accelerate, peft, importlib.metadata as m; \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, \
+'| accelerate', accelerate.__version__, '| peft', peft.__version__, '|', \
+', '.join(f'{p} {m.version(p)}' for p in ('bitsandbytes', 'liger-kernel', 'triton') \
+if __import__('importlib').util.find_spec(p.replace('-', '_'))))"
+} 2>&1 | tee "$out/device.txt"
+status=0
+if [ "$part" = tests ] || [ "$part" = all ]; then
+  python3 -m pytest -m gpu -p no:cacheprovider -q -rA --junitxml "$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
+  status=$?
+  grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu_tests.log" | tail -40
+fi
+if [ "$part" = bench ] || [ "$part" = all ]; then
+  runs="$(mktemp -d)"
+  python3 benchmarks/gpu.py --output "$runs" "$@" > "$out/bench.log" 2>&1
+  cp "$runs"/bench.json "$runs"/bench.md "$runs"/bench.png "$out"/ 2>/dev/null
+  tar -czf "$out/bench_logs.tar.gz" -C "$runs" . 2>/dev/null
+  tail -30 "$out/bench.log"
+fi
+exit $status
