@@ -21,6 +21,7 @@ from .compat import replace_args
 from .credentials import redacted_overrides
 from .features import FEATURES, Setup
 from .features import data as data_feature
+from .features import lora as lora_feature
 from .features.explicit_args import overridden_choices
 from .features.fsdp.trainer_hooks import FsdpTrainerMixin
 from .features.crash_safe import CrashSafeMixin, resolve_resume
@@ -58,6 +59,10 @@ class SpeedupMixin(FsdpTrainerMixin, CrashSafeMixin):
             # so the plan sees it; TRL's quantization_config is used here, and not again by the trainer
             bound.arguments["model"] = _load_model(bound.arguments["model"], config, training_args,
                                                    bound.arguments.pop("quantization_config", None))
+        reused = lora_feature.wrapper_of(bound.arguments.get("model"))  # a model an earlier trainer adapted
+        adopted = reused is not bound.arguments.get("model")
+        if adopted:
+            bound.arguments["model"] = reused
         wrapped_here = not hasattr(bound.arguments.get("model"), "peft_config")  # adapters made here are fresh
         # the trainer's peft_config, applied here: it wins (and its chat template clone, done here before it)
         peft_note, peft_overrides = _adopt_peft_config(bound, training_args)
@@ -71,6 +76,10 @@ class SpeedupMixin(FsdpTrainerMixin, CrashSafeMixin):
         self.speedup_status = self.speedup_plan.states(self.speedup_outcomes)
         if peft_note:
             self.speedup_outcomes["lora"].notes.append(peft_note)
+        if adopted:
+            self.speedup_outcomes["lora"].notes.append(
+                "the model was adapted in place by an earlier trainer (peft adds its layers to the model it wraps): "
+                "trained through that trainer's PeftModel, adapters as they are")
         data_plan = self.speedup_plan["data"].settings
         inputs.check(inputs.dataset_problems(
             bound.arguments.get("train_dataset"), training_args, collator=bound.arguments.get("data_collator"),

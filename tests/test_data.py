@@ -42,7 +42,8 @@ def test_loader_settings_on_cuda_map_to_trainingarguments(make_args):
 
 def test_pinning_is_not_applied_on_cpu(make_args):
     d = plan_for(CPU_NO_BF16, pin_memory=True)
-    assert data.training_args(d, make_args())["dataloader_pin_memory"] is False  # off, not the pinning default
+    # the arguments stay the user's (the stock Trainer's warning included): nothing to gain from changing them
+    assert "dataloader_pin_memory" not in data.training_args(d, make_args())
     assert d.fallbacks and d.fallbacks[0].startswith("pin_memory: pinned host memory only speeds host-to-GPU")
 
 

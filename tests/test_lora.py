@@ -327,3 +327,21 @@ def test_qlora_is_verified_after_fsdp_turned_the_4bit_weights_into_plain_tensors
     bases[0].quant_state = None  # a base that really lost its quantization is still caught
     ok, why = lora.verify(d, _T(model), Outcome())
     assert not ok and "1 adapted layer(s) have no Params4bit base weight" in why
+
+
+def test_a_model_an_earlier_trainer_adapted_resumes_through_the_same_adapters(make_args, dataset, collator, tmp_path):
+    """peft adds its layers to the model it wraps: a second trainer handed the same object (as scripts and test
+    suites do to resume) trains through the first trainer's PeftModel, and its adapter checkpoint loads."""
+    from peft import PeftModel
+
+    from hf_speedup.tiny import tiny_llama
+
+    model = tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    args = make_args(output_dir=str(tmp_path / "run"), max_steps=4, save_strategy="steps", save_steps=2)
+    first = SpeedupTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator, speedup="lora")
+    first.train()
+    second = SpeedupTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator, speedup="lora")
+    assert isinstance(second.model, PeftModel) and second.model is first.model
+    assert "adapted in place by an earlier trainer" in second.speedup_status["lora"].reason
+    second.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert second.state.global_step == 4

@@ -92,9 +92,9 @@ def _loader(s, caps, args, flattened: bool = False, packed: str | None = None) -
     if s.pin_memory is not None and _kept_users_choice("pin_memory", s.pin_memory, args, reasons):
         pass
     elif s.pin_memory is True and caps.device_type != "cuda":
-        # set it off explicitly: TrainingArguments pins by default, which only warns without a GPU
-        out["pin_memory"] = False
-        fallbacks.append(f"pin_memory: pinned host memory only speeds host-to-GPU copies; off on {caps.device_type}")
+        # TrainingArguments' own value stays (the stock Trainer's: torch only warns where nothing is pinned)
+        fallbacks.append(f"pin_memory: pinned host memory only speeds host-to-GPU copies; not applicable on "
+                         f"{caps.device_type} (TrainingArguments.dataloader_pin_memory left as it is)")
     elif s.pin_memory is not None:
         out["pin_memory"] = s.pin_memory
         reasons.append("pinned host memory for async host-to-GPU copies" if s.pin_memory else "no pinned memory")

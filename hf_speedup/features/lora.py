@@ -278,12 +278,30 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
                         fan_in_fan_out=fan_in_fan_out, modules_to_save=list(heads) or None)
     try:
         setup.model = get_peft_model(model, config)
+        remember_wrapper(setup.model)
     except ValueError as exc:  # peft's "Target modules ... not found" and the like: name the field and the fix
         raise SpeedupConfigError([
             f"lora.target_modules = {targets!r}: peft could not adapt this {type(model).__name__} ({exc}); allowed: "
             f"the names of its linear layers {sorted(_linear_leaves(model))}; fix: set lora.target_modules: "
             "[names] from that list"]) from None
     logger.info("hf_speedup: LoRA (%s) on %s", decision.applied, _fmt(targets))
+
+
+WRAPPER_ATTR = "_hf_speedup_peft_model"
+
+
+def remember_wrapper(peft_model) -> None:
+    """peft adds the adapters to the model it wraps, in place: the PeftModel is kept on that model, so a later
+    trainer handed the same object trains through it (the stock Trainer trains the object it is given) instead of
+    taking the bare model with adapter layers for a PeftModel."""
+    base = getattr(getattr(peft_model, "base_model", None), "model", None)
+    if base is not None:
+        object.__setattr__(base, WRAPPER_ATTR, peft_model)  # not a submodule: state_dict and modules() unchanged
+
+
+def wrapper_of(model):
+    """The PeftModel hf_speedup made around ``model`` for an earlier trainer, else ``model``."""
+    return vars(model).get(WRAPPER_ATTR, model) if isinstance(model, torch.nn.Module) else model
 
 
 def _live_head(model, st: Settings) -> tuple[str | None, tuple[str, ...]]:
