@@ -228,6 +228,6 @@ def one_process_losses(tmp_path_factory):
     sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
     import fsdp_train
 
-    losses, decision = fsdp_train.reference_losses(tmp_path_factory.mktemp("one_process"))
+    losses, decision, _ = fsdp_train.reference_losses(tmp_path_factory.mktemp("one_process"))
     assert decision["applied"] == "off"
     return losses
