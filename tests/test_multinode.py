@@ -308,7 +308,11 @@ def test_accelerate_launch_of_the_multinode_config_on_two_cpu_machines(out, two_
             "config asks for HSDP (dp_replicate_size=2, dp_shard_size=2)" in entry["fallbacks"]
         assert "the accelerate launch config's parallelism_config is applied by hf_speedup's FSDP2 (mesh " \
                "dp_replicate=2 x dp_shard=2); it was kept from accelerate's Accelerator" in entry["reason"]
-        assert _losses(res) == _losses(two_nodes[0])  # steps 7-8 trained here, 1-6 from the checkpoint
+        mixed = (entry["settings"]["mixed_precision"], two_nodes[0]["fsdp"]["settings"]["mixed_precision"])
+        if mixed[0] == mixed[1]:  # steps 7-8 trained here, 1-6 from the checkpoint
+            assert _losses(res) == _losses(two_nodes[0])
+        else:  # an AMX CPU: torchrun's plan is bf16 (auto), the launch file's mixed_precision is its own
+            assert _losses(res) == pytest.approx(_losses(two_nodes[0]), rel=3e-2)
 
 
 def test_a_machine_that_never_joins_stops_the_accelerate_launch_after_the_stated_timeout(tmp_path):
