@@ -8,13 +8,16 @@ output folder as a requeued job does and must end with the uninterrupted run's w
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from transformers import Trainer, TrainerCallback
 from conftest import launch_env
 from hf_speedup import SpeedupTrainer
 from hf_speedup.features import checkpoint_files as files
-from hf_speedup.features.crash_safe import CrashSafeMixin
+from hf_speedup.features.crash_safe import CrashSafeMixin, resolve_resume
 from hf_speedup.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -361,6 +364,159 @@ def test_a_second_saving_process_on_a_shared_file_system_finds_the_commit_done(t
     assert files.commit(str(root), "checkpoint-4", str(tmp_path)) == str(tmp_path / "checkpoint-4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
     assert (tmp_path / "checkpoint-4" / "trainer_state.json").is_file()
+
+
+class _SharedDisk:
+    """Two saving processes (``save_on_each_node``: each node's main process) on one shared file system, as two
+    threads, each with its own trainer (:class:`_Node`). Their barriers are one ``threading.Barrier``. A thread at a
+    ``meet`` point waits there until the other one is at a meet point too, waits at a barrier or is done: where the
+    code lets both look at a folder before either changes it, they do."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.state = {0: "running", 1: "running"}  # per node: running | meet | barrier | done
+        self.generation = 0
+        self.barrier = threading.Barrier(2, action=self._all_running, timeout=30)
+
+    def _set(self, node: int, state: str) -> None:
+        with self.cond:
+            self.state[node] = state
+            self.cond.notify_all()
+
+    def _all_running(self) -> None:
+        with self.cond:
+            self.state = dict.fromkeys(self.state, "running")
+
+    def wait(self, node: int) -> None:
+        self._set(node, "barrier")
+        self.barrier.wait()
+
+    def meet(self, node: int) -> None:
+        with self.cond:
+            self.state[node], generation = "meet", self.generation
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.generation != generation or "running" not in self.state.values(), 30)
+            if self.generation == generation:  # the last to park releases every thread at a meet point
+                self.generation += 1
+                self.state = {k: "running" if v == "meet" else v for k, v in self.state.items()}
+                self.cond.notify_all()
+
+    def side_by_side(self, *calls) -> dict[int, BaseException]:
+        errors: dict[int, BaseException] = {}
+
+        def run(node, call):
+            try:
+                call()
+            except BaseException as exc:  # noqa: BLE001  (what the test reports)
+                errors[node] = exc
+                self.barrier.abort()  # the other thread's barrier fails instead of waiting for this one
+            finally:
+                self._set(node, "done")
+
+        threads = [threading.Thread(target=run, args=(n, c), name=f"node{n}") for n, c in enumerate(calls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return errors
+
+
+class _Saver:
+    """What the staged save calls of the Trainer: it writes checkpoint-N into the output folder it is given."""
+
+    def _get_output_dir(self, trial):
+        return self.args.output_dir
+
+    def _save_checkpoint(self, model, trial):
+        folder = Path(self._get_output_dir(trial)) / files.checkpoint_name(self.state.global_step)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / files.TRAINER_STATE).write_text(json.dumps({"global_step": self.state.global_step}))
+
+
+class _Node(CrashSafeMixin, _Saver):
+    """One node's main process of a 2 nodes x 2 processes run with ``save_on_each_node`` (it saves)."""
+
+    def __init__(self, disk: _SharedDisk, node: int, run_dir: Path, step: int):
+        from accelerate.state import PartialState
+
+        from hf_speedup import get_preset
+        from hf_speedup.features import crash_safe
+        from hf_speedup.plan_types import Outcome
+
+        self.args = SimpleNamespace(output_dir=str(run_dir), should_save=True, save_on_each_node=True, world_size=4,
+                                    process_index=2 * node, save_total_limit=None, save_strategy="steps")
+        self.state = SimpleNamespace(global_step=step, best_model_checkpoint=None, best_global_step=None)
+        self.speedup_plan = SimpleNamespace(decisions={
+            "crash_safe": crash_safe.decide(SimpleNamespace(config=get_preset("baseline")))})
+        self.speedup_outcomes = {"crash_safe": Outcome()}
+
+        class Accelerator:  # barriers over the shared disk, accelerate's own main_process_first ordering
+            is_main_process = node == 0
+
+            def wait_for_everyone(self):
+                disk.wait(node)
+
+            @contextlib.contextmanager
+            def main_process_first(self):
+                yield from PartialState._goes_first(self, self.is_main_process)
+
+        self.accelerator = Accelerator()
+
+
+def _meet_before(monkeypatch, disk: _SharedDisk, *names: str) -> None:
+    for name in names:
+        real = getattr(files, name)
+
+        def meeting(*args, _real=real, **kwargs):
+            disk.meet(int(threading.current_thread().name[-1]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(files, name, meeting)
+
+
+def test_save_on_each_node_on_a_shared_file_system_replaces_a_checkpoint_of_the_same_step_once(tmp_path,
+                                                                                                monkeypatch):
+    """Both nodes' saving processes re-save step 4 (a run started again in its output_dir, or resumed from an
+    earlier checkpoint) and both see the old checkpoint-4 before either replaces it: side by side, one fails on the
+    rename the other made (FileNotFoundError, the job stops) or deletes the checkpoint the other has just renamed
+    into place. The main process commits first, the other finds it done: one new checkpoint-4."""
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / files.TRAINER_STATE).write_text(json.dumps({"global_step": 4, "stale": True}))
+    disk = _SharedDisk()
+    nodes = [_Node(disk, n, tmp_path, step=4) for n in (0, 1)]
+    _meet_before(monkeypatch, disk, "remove")
+    errors = disk.side_by_side(*(lambda n=n: n._save_checkpoint(None, None) for n in nodes))
+    assert errors == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]  # no staging or deleting leftovers
+    assert json.loads((tmp_path / "checkpoint-4" / files.TRAINER_STATE).read_text()) == {"global_step": 4}
+    for n in nodes:
+        assert n.speedup_outcomes["crash_safe"].facts["last_committed"] == str(tmp_path / "checkpoint-4")
+
+
+def test_save_on_each_node_on_a_shared_file_system_sets_an_unfinished_save_aside_once_and_reports_it(
+        tmp_path, monkeypatch):
+    """A requeued job resumes: both nodes' saving processes find the staging folder of the save a kill stopped;
+    side by side, the second one to rename it fails (FileNotFoundError: the job stops again). The main process
+    sets it aside first (so its report says so), the other finds nothing left to move."""
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / files.TRAINER_STATE).write_text(json.dumps({"global_step": 2}))
+    staged = Path(files.staging_root(str(tmp_path), 4)) / "checkpoint-4"
+    staged.mkdir(parents=True)
+    (staged / "config.json").write_text("{}")  # trainer_state.json never written
+    disk = _SharedDisk()
+    nodes = [_Node(disk, n, tmp_path, step=0) for n in (0, 1)]
+    _meet_before(monkeypatch, disk, "set_aside")
+    chosen = {}
+    errors = disk.side_by_side(*(lambda n=n: chosen.__setitem__(n.args.process_index, resolve_resume(n, True))
+                                 for n in nodes))
+    assert errors == {}
+    assert chosen == {0: str(tmp_path / "checkpoint-2"), 2: str(tmp_path / "checkpoint-2")}
+    [moved] = (tmp_path / files.INCOMPLETE_DIR).iterdir()
+    assert moved.name.startswith("checkpoint-4.") and (moved / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [files.INCOMPLETE_DIR, "checkpoint-2"]
+    main_report = nodes[0].speedup_outcomes["crash_safe"].facts
+    assert [m["moved_to"] for m in main_report["set_aside"]] == [str(moved)]
+    assert "set_aside" not in nodes[1].speedup_outcomes["crash_safe"].facts
 
 
 def test_a_hub_push_of_the_checkpoint_reads_it_from_its_final_folder(tmp_path, make_args, dataset, collator,

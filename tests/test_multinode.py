@@ -8,7 +8,9 @@ processes) stand in for two machines, with ``fsdp.strategy: hybrid_shard`` (test
 - SIGTERM to one node's launcher: every rank on both nodes saves the same step and exits 143; the relaunch
   (``torchrun --max-restarts 1``) loads that checkpoint bit for bit, a worker is SIGKILLed mid-run, torch elastic
   restarts the group, ``train(resume_from_checkpoint=True)`` resumes from the newest checkpoint, and the run ends
-  with the uninterrupted run's losses, bit for bit.
+  with the uninterrupted run's losses, bit for bit;
+- a rank of node 1 SIGKILLed inside its part of a sharded save: no checkpoint of that step appears, both launchers
+  stop; the relaunch sets the unfinished save aside and ends with the uninterrupted run's losses, bit for bit.
 
 Each rank's facts come back as JSON, the full training state as ``.pt`` files written by rank 0.
 """
@@ -30,6 +32,7 @@ from conftest import free_port, launch_env
 
 from hf_speedup import get_preset
 from hf_speedup.accelerate_config import SHIPPED, write_accelerate_config
+from hf_speedup.features import checkpoint_files as files
 
 pytestmark = [pytest.mark.distributed]
 if importlib.util.find_spec("pytest_timeout") is not None:
@@ -262,6 +265,38 @@ def test_a_killed_worker_is_restarted_by_torch_elastic_and_the_run_ends_as_an_un
     assert relaunched[0]["final_saved_equal"] is True
     # the final model is the uninterrupted run's, bit for bit
     assert same_state(out / "nodes.saved-8.pt", out / "re.saved-8.pt") == []
+
+
+def test_a_rank_killed_inside_its_part_of_a_save_on_another_node_leaves_no_checkpoint_the_relaunch_picks(
+        out, two_nodes):
+    """Rank 3 (the second node's second process) is SIGKILLed inside its rng_state_3.pth of the save of step 4, after every
+    rank wrote its model and optimizer shards and while rank 0 waits to rename the folder: checkpoint-4 never
+    appears and both launchers stop. The relaunch, as a requeued job (resume_from_checkpoint=True), sets the staging
+    folder aside, resumes every rank from checkpoint-2 and ends as the uninterrupted run did."""
+    run = out / "killed"
+    killed = start_nodes(out, "killed", "--kill-where", r"checkpoint-4/rng_state_3\.pth$", "--kill-rank", "3")
+    codes = finish(killed, out, "killed", ok=False, timeout=300)
+    assert all(codes), codes  # both launchers report the failure, neither waits for the dead rank
+    assert "Signal 9 (SIGKILL) received" in _logs(out, "killed")
+    assert not list(out.glob("killed.rank*.json"))  # no rank got past the save of step 4
+    staged = run / "_checkpoint-4.staging" / "checkpoint-4"
+    assert sorted(p.name for p in run.glob("*checkpoint*")) == ["_checkpoint-4.staging", "checkpoint-2"]
+    assert files.problem(str(staged)) == "rng_state_3.pth is truncated (a torch.save zip without its end record)"
+    assert sorted(p.name for p in (staged / "pytorch_model_fsdp_0").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]  # shards on both nodes' disks
+
+    finish(start_nodes(out, "requeued", "--output-dir", str(run), "--resume", "auto"), out, "requeued", timeout=300)
+    uninterrupted = _losses(two_nodes[0])
+    for res in ranks(out, "requeued"):
+        assert res["resumed_from"] == str(run / "checkpoint-2"), res["rank"]
+        assert _losses(res) == uninterrupted, res["rank"]  # steps 3-8 trained again, bit for bit
+    entry = json.loads((run / "speedup_report.json").read_text())["plan"]["crash_safe"]["settings"]
+    [moved] = entry["set_aside"]
+    assert moved["checkpoint"] == str(staged) and "its save did not finish" in moved["reason"]
+    assert Path(moved["moved_to"]).parent == run / files.INCOMPLETE_DIR
+    assert files.problem(moved["moved_to"]).startswith("rng_state_3.pth is truncated")  # kept as it was, to look at
+    assert sorted(p.name for p in run.glob("*checkpoint*")) == [
+        files.INCOMPLETE_DIR, "checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
 
 
 # ------------------------------------------------------------------------------------------ accelerate launch

@@ -210,7 +210,8 @@ def commit(root: str, name: str, run_dir: str) -> str:
 
     A ``run_dir/name`` already there (the same step saved again, or transformers' JIT checkpoint folder
     holding only its sentinel) is renamed away first and deleted after. With ``save_on_each_node`` on a shared
-    file system each node's saving process gets here: the first one renames, the others find it done."""
+    file system each node's saving process gets here, one after another (``crash_safe``): the first renames, the
+    others find it done (never side by side: a second one could take the fresh folder for the stale one)."""
     staged = os.path.join(root, name)
     final = os.path.join(run_dir, name)
     try:

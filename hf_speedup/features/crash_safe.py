@@ -16,6 +16,8 @@ How (the Trainer's own save code writes every file; see ``checkpoint_files.py`` 
   transformers' JIT checkpoint go through the same ``_save_checkpoint``; a Hub push of the checkpoint waits
   for the rename. An exception during the save (a full disk) removes the staging folder (freeing the space)
   and is raised as the Trainer raised it.
+- With ``save_on_each_node`` every node's main process saves and moves folders; on a shared file system they see
+  the same ones, so the main process moves them first and the others after it (:func:`_main_process_first`).
 - :func:`resolve_resume` (``SpeedupTrainer.train``): ``resume_from_checkpoint=True`` takes the newest complete
   ``checkpoint-N``; an explicit path that is incomplete falls back to the newest complete one of an earlier
   step beside it. Anything incomplete on the way (a staging folder, a stock Trainer's half-written
@@ -136,16 +138,17 @@ def resolve_resume(trainer, resume_from_checkpoint):
     else:  # None / False, or a path that is not there (the Trainer's own error)
         return resume_from_checkpoint
     moved: list[files.SetAside] = []
-    if trainer.args.should_save:
-        moved += files.set_aside_leftovers(run_dir)
-        step = files.step_of(requested) if requested else None
-        for checkpoint in files.checkpoints_by_step(run_dir):
-            if step is not None and files.step_of(checkpoint) > step:
-                continue  # newer than the one asked for: not a candidate, left as it is
-            why = files.problem(checkpoint)
-            if why is None:
-                break
-            moved.append(files.set_aside(checkpoint, run_dir, why))
+    with _main_process_first(trainer):
+        if trainer.args.should_save:
+            moved += files.set_aside_leftovers(run_dir)
+            step = files.step_of(requested) if requested else None
+            for checkpoint in files.checkpoints_by_step(run_dir):
+                if step is not None and files.step_of(checkpoint) > step:
+                    continue  # newer than the one asked for: not a candidate, left as it is
+                why = files.problem(checkpoint)
+                if why is None:
+                    break
+                moved.append(files.set_aside(checkpoint, run_dir, why))
     trainer.accelerator.wait_for_everyone()  # every rank sees the folder as the saving process left it
     chosen = _newest(run_dir, requested)
     if moved:
@@ -173,6 +176,16 @@ def _newest(run_dir: str, requested: str | None) -> str | None:
         if step is None or files.step_of(checkpoint) <= step:
             return checkpoint
     return None
+
+
+def _main_process_first(trainer):
+    """Where several processes save (``save_on_each_node``, one per node), the main one moves folders first and
+    the others after it (accelerate's ``main_process_first``): on a shared file system they find its work done.
+    Run side by side, two of them would move the same folder (the second fails on it), or one would take the
+    checkpoint the other has just renamed into place for the stale one it replaces and delete it."""
+    if trainer.args.save_on_each_node and trainer.args.world_size > 1:
+        return trainer.accelerator.main_process_first()
+    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------- save
@@ -216,9 +229,10 @@ class CrashSafeMixin:
         name = files.checkpoint_name(step)
         root = files.staging_root(run_dir, step)
         writer = self.args.should_save
-        if writer and os.path.lexists(root):  # a save of this step that never finished (no resume since)
-            moved = files.discard_staging(root, run_dir, "a save of the same step that did not finish", keep=True)
-            outcome.facts.setdefault("set_aside", []).extend(m.to_dict() for m in moved)
+        with _main_process_first(self):
+            if writer and os.path.lexists(root):  # a save of this step that never finished (no resume since)
+                moved = files.discard_staging(root, run_dir, "a save of the same step that did not finish", keep=True)
+                outcome.facts.setdefault("set_aside", []).extend(m.to_dict() for m in moved)
         self.accelerator.wait_for_everyone()  # no rank writes into the staging folder before it is clean
         self._speedup_best_as_stock(run_dir, step)
         self._speedup_staging, self._speedup_deferred_push = root, False
@@ -234,14 +248,15 @@ class CrashSafeMixin:
             if writer:
                 self.state.save_to_json(os.path.join(staged, files.TRAINER_STATE))
         self.accelerator.wait_for_everyone()  # every rank's part (shards, RNG state) is written
-        if writer:
-            started = time.perf_counter()
-            with _discarded_on_error(root, run_dir, writer):  # fsync may report a full disk too
-                files.commit(root, name, run_dir)
-            outcome.facts["commit_seconds"] = round(time.perf_counter() - started, 4)
-            if self._speedup_deferred_push:
-                super()._push_from_checkpoint(final)
-            self._speedup_rotate(run_dir, final)
+        with _main_process_first(self):
+            if writer:
+                started = time.perf_counter()
+                with _discarded_on_error(root, run_dir, writer):  # fsync may report a full disk too
+                    files.commit(root, name, run_dir)
+                outcome.facts["commit_seconds"] = round(time.perf_counter() - started, 4)
+                if self._speedup_deferred_push:
+                    super()._push_from_checkpoint(final)
+                self._speedup_rotate(run_dir, final)
         self._speedup_deferred_push = False
         self.accelerator.wait_for_everyone()  # no rank goes on (or exits) before checkpoint-N is in place
         outcome.facts["committed"] = outcome.facts.get("committed", 0) + 1

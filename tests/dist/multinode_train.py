@@ -10,8 +10,10 @@ report entry), the launcher's environment, the losses and how it stopped. ``--du
 full (gathered) model, optimizer and scheduler state as ``DIR/TAG.saved-<step>.pt`` after each checkpoint and as
 ``DIR/TAG.loaded-<step>.pt`` right after a resume loaded one, so a test can compare the two bit for bit across
 world sizes. ``--crash-at STEP --crash-rank R`` makes rank R SIGKILL itself at the end of that step, in the first
-attempt only (torch elastic restarts the group), never inside a save. ``--marker-at``/``--slow`` as in
-interrupt_train.py: ``DIR/TAG.ready`` after that step, slower steps from then on.
+attempt only (torch elastic restarts the group), never inside a save. ``--kill-where REGEX --kill-rank R``
+makes rank R SIGKILL itself inside the first write into output_dir whose path matches REGEX, with half of its bytes
+on disk (tests/dist/kill_train.py's ``Writes``). ``--marker-at``/``--slow`` as in interrupt_train.py:
+``DIR/TAG.ready`` after that step, slower steps from then on.
 """
 
 from __future__ import annotations
@@ -145,6 +147,8 @@ def main(argv=None) -> int:
     p.add_argument("--slow", type=float, default=1.0)
     p.add_argument("--crash-at", type=int, default=None)
     p.add_argument("--crash-rank", type=int, default=1)
+    p.add_argument("--kill-where", default=None, help="SIGKILL inside the first write whose path matches REGEX")
+    p.add_argument("--kill-rank", type=int, default=3)
     ns = p.parse_args(argv)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,6 +160,10 @@ def main(argv=None) -> int:
                                           "TORCHELASTIC_RESTART_COUNT", "TEST_NODE", "SLURM_NODEID", "SLURM_PROCID")}
     res: dict = {"rank": _rank(), "env": env, "exit_status": 0}
     resume = _resume(ns, trainer.args.output_dir)
+    if ns.kill_where and _rank() == ns.kill_rank:
+        from kill_train import Writes
+
+        Writes(trainer.args.output_dir, kill_where=ns.kill_where).install()
     try:
         trainer.train(resume_from_checkpoint=resume)
     except TrainingInterrupted as exc:
