@@ -161,6 +161,38 @@ def test_off_writes_in_place_as_the_stock_trainer_does(tmp_path, make_args, data
     assert files.problem(str(tmp_path / "checkpoint-4")).startswith("trainer_state.json is missing")
 
 
+@pytest.mark.parametrize("crash_safe", [True, False])
+def test_the_reports_counters_are_in_the_checkpoint_before_it_is_in_place(
+        tmp_path, make_args, dataset, collator, monkeypatch, crash_safe):
+    """A kill right after the rename must not leave a checkpoint-N without hf_speedup_state.json (its resume
+    would restart the report's counts): under crash_safe it is written into the staging folder, once; without
+    crash_safe the collector writes it into the Trainer's folder at on_save, as before."""
+    from hf_speedup.report.carry import STATE_FILE
+
+    seen, real_commit = {}, files.commit
+
+    def commit(root, name, run_dir):
+        seen[name] = (Path(root) / name / STATE_FILE).is_file()
+        return real_commit(root, name, run_dir)
+
+    monkeypatch.setattr(files, "commit", commit)
+    trainer = _trainer(tmp_path, make_args, dataset, collator,
+                       speedup={"base": "baseline", "report": {"path": "auto"}, "crash_safe": {"enabled": crash_safe}})
+    writes = []
+    real_carry = trainer.speedup_callback.carry_into
+    monkeypatch.setattr(trainer.speedup_callback, "carry_into", lambda ckpt: (writes.append(Path(ckpt)),
+                                                                               real_carry(ckpt))[1])
+    trainer.train()
+    if crash_safe:
+        assert seen == {"checkpoint-2": True, "checkpoint-4": True, "checkpoint-6": True}
+        assert [p.relative_to(tmp_path).parts[0] for p in writes] == [
+            "_checkpoint-2.staging", "_checkpoint-4.staging", "_checkpoint-6.staging"]
+    else:
+        assert seen == {} and writes == [tmp_path / f"checkpoint-{n}" for n in (2, 4, 6)]
+    carried = json.loads((tmp_path / "checkpoint-6" / STATE_FILE).read_text())
+    assert carried["global_step"] == 6 and carried["steps"] == 6
+
+
 def test_a_broken_checkpoint_the_stock_trainer_left_is_set_aside_and_reported(
         tmp_path, make_args, dataset, collator, reference, caplog):
     """The stock Trainer killed while writing trainer_state.json of its last checkpoint (truncated JSON):

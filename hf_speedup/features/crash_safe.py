@@ -243,6 +243,9 @@ class CrashSafeMixin:
             self._speedup_staging = None
         staged = os.path.join(root, name)
         final = os.path.join(run_dir, name)
+        collector = getattr(self, "speedup_callback", None)
+        if collector is not None:  # the report's counters go in before the rename, like every other file
+            collector.carry_into(staged)
         if self.state.best_model_checkpoint == staged:  # the Trainer saw this step's folder under its staging name
             self.state.best_model_checkpoint = final
             if writer:

@@ -82,6 +82,7 @@ class SpeedupCallback(TrainerCallback):
         self._resolve_peak()  # a malformed HF_SPEEDUP_PEAK_FLOPS fails here, before training
         self.active = False
         self.finalized = False
+        self._carried_at: int | None = None  # the step whose checkpoint has the counters (carry_into)
 
     # ------------------------------------------------------------------------------------ set-up
     def _describe_model(self) -> None:
@@ -390,14 +391,24 @@ class SpeedupCallback(TrainerCallback):
         self.step_series.append([state.global_step, round(self.step_times[idx], 6), bool(compiled)])
 
     @_never_breaks_training()
+    def carry_into(self, checkpoint: str) -> None:
+        """What a resume from ``checkpoint`` carries over, written into it. ``crash_safe`` calls it on the staging
+        folder before the rename, so a checkpoint in place always has its counters; otherwise ``on_save`` does,
+        into the folder the Trainer has just written. Every process must call it (one collective)."""
+        if not self.active:
+            return
+        totals = self._totals(self._gather(), bounded=True)
+        self._carried_at = self.trainer.state.global_step
+        if self.trainer.state.is_world_process_zero and os.path.isdir(checkpoint) and self.settings.path is not None:
+            carry.write(totals, checkpoint)
+
+    @_never_breaks_training()
     def on_save(self, args, state, control, **kwargs):
         if not self.active:
             return
-        totals = self._totals(self._gather(), bounded=True)  # every process: one collective, as at a logging step
+        if self._carried_at != state.global_step:  # not yet written into the checkpoint
+            self.carry_into(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
         if state.is_world_process_zero:
-            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-            if os.path.isdir(checkpoint) and self.settings.path is not None:  # what a resume from it carries over
-                carry.write(totals, checkpoint)
             self._write(args)
 
     @_never_breaks_training()
