@@ -103,6 +103,7 @@ class LoraShape:
     targets: tuple[str, ...] | str = "all-linear"  # Linear leaf names, or peft's "all-linear"
     dropout: float = 0.0
     quantized: bool = False  # QLoRA: block Linear weights in 4-bit NF4
+    expert_targets: tuple[str, ...] | str = ()  # fused expert weights with adapters (peft target_parameters), or "all"
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,12 @@ def _roles(shape: ModelShape) -> list[tuple[str, int, str]]:
 
 
 def lora_parameters(shape: ModelShape, lora: LoraShape) -> int:
-    """Adapter parameters over every block: ``rank x (in + out)`` per adapted Linear."""
-    return shape.num_blocks * sum(lora.rank * (i + o) for _, i, o, _ in _adapted(shape, lora))
+    """Adapter parameters over every block: ``rank x (in + out)`` per adapted Linear, and one such pair per expert
+    of an adapted fused expert weight (peft's ParamWrapper: lora_A ``(rank x experts, in)``)."""
+    linears = sum(lora.rank * (i + o) for _, i, o, _ in _adapted(shape, lora))
+    experts = sum(lora.rank * e * (i + o) for n, e, i, o in shape.block_experts
+                  if lora.expert_targets == "all" or any(n == t or n.endswith("." + t) for t in lora.expert_targets))
+    return shape.num_blocks * (linears + experts)
 
 
 def _adapted(shape: ModelShape, lora: LoraShape) -> list[tuple[str, int, int, str]]:
@@ -398,6 +403,9 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
 
 def _notes(shape: ModelShape, st: TrainingSetup) -> tuple[str, ...]:
     notes = ["eager-mode activations: compiled blocks fuse ops and usually keep less"]
+    if shape.block_experts:
+        notes.append("mixture of experts: the expert weights (and adapters on them) are counted, the activations of "
+                     "the routed expert MLPs are not (each token runs its top-k experts): expect more than estimated")
     if st.optimizer == "paged_adamw_8bit" and st.device == "cuda":
         notes.append("paged 8-bit states live in CUDA unified memory: outside torch.cuda.max_memory_allocated, "
                      "paged to host under pressure")

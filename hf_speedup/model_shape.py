@@ -35,6 +35,8 @@ class ModelShape:
     block_params: int  # one repeated block
     block_small_params: int  # of which in tensors under 4,096 elements (norms, biases)
     block_linears: tuple[tuple[str, int, int], ...] = ()  # (leaf name, in_features, out_features) per Linear
+    # fused 3-D expert weights of a mixture-of-experts block: (block-relative name, experts, in, out)
+    block_experts: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def block_linear_params(self) -> int:
@@ -139,5 +141,13 @@ def model_shape(model: nn.Module) -> ModelShape | None:
         head_params=0 if (tied or head_w is None) else _numel(head_w),
         block_params=sum(_numel(p) for p in block.values()),
         block_small_params=sum(_numel(p) for p in block.values() if p.numel() < SMALL_PARAM),
-        block_linears=linears,
+        block_linears=linears, block_experts=_block_experts(blocks[0]),
     )
+
+
+def _block_experts(block: nn.Module) -> tuple[tuple[str, int, int, int], ...]:
+    """transformers 5 stores experts as (experts, out, in) parameters beside the Linears (peft's wrapper, once
+    adapted, moves them under ``base_layer``)."""
+    shapes = {".".join(part for part in n.split(".") if part != "base_layer"): p.shape
+              for n, p in block.named_parameters() if p.dim() == 3}
+    return tuple((n, int(s[0]), int(s[2]), int(s[1])) for n, s in shapes.items())

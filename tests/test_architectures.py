@@ -390,6 +390,30 @@ def test_moe_lora_keeps_its_blocks_eager():
     assert d.fallbacks and d.fallbacks[0].startswith("compile: LoRA on the experts' fused weights")
 
 
+@pytest.mark.parametrize("name", MOE)
+def test_the_memory_estimate_counts_the_adapters_on_the_experts(name):
+    """The plan's adapter count is the live PeftModel's trainable parameters (expert pairs included), and the
+    estimate says what it leaves out for a mixture of experts."""
+    from conftest import CPU_NO_BF16, fake_caps
+
+    from hf_speedup.features.memory_budget import training_setup
+    from hf_speedup.memory_model import TrainingSetup, estimate, lora_parameters
+    from hf_speedup.model_shape import model_shape
+
+    model = build(name)
+    shape = model_shape(model)
+    assert [n for n, *_ in shape.block_experts] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    d = lora_plan(model)
+    setup = training_setup({"lora": d}, shape, fake_caps(**CPU_NO_BF16), micro_batch=1, seq_len=16)
+    peft_model = adapted(model, d)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert lora_parameters(shape, setup.lora) == trainable
+    assert model_shape(peft_model).block_experts == shape.block_experts  # read through peft's wrapper too
+    notes = estimate(shape, TrainingSetup(micro_batch=1, seq_len=16)).notes
+    assert any(n.startswith("mixture of experts: the expert weights (and adapters on them) are counted, the "
+                            "activations of the routed expert MLPs are not") for n in notes)
+
+
 # ------------------------------------------------------------------------------------ LoRA and the task head
 @pytest.mark.parametrize("head, task, saved", [
     ("BertForSequenceClassification", "SEQ_CLS", ("classifier",)),

@@ -59,7 +59,8 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
     lora = None
     if (ls := _settings(decisions, "lora")) is not None:
         targets = ls.target_modules if isinstance(ls.target_modules, str) else tuple(ls.target_modules)
-        lora = LoraShape(rank=ls.r, targets=targets, dropout=ls.dropout, quantized=ls.quantization == "4bit")
+        lora = LoraShape(rank=ls.r, targets=targets, dropout=ls.dropout, quantized=ls.quantization == "4bit",
+                         expert_targets=tuple(getattr(ls, "target_parameters", ()) or ()))
     ck = decisions.get("checkpointing")
     blocks: tuple[int, ...] = ()
     if ck is not None and ck.settings.by is not None:
@@ -320,7 +321,8 @@ def _with_lora(trial: _Trial, changes: dict, qlora: bool) -> int:
                            grad_accum=trial.effective, chunked=loss_would_chunk(ctx, cfg),
                            chunk_tokens=getattr(getattr(cfg, "loss", None), "chunk_tokens", 1024))
     compute = 2 if (qlora or ctx.caps.bf16) else setup.compute_bytes
-    lora = LoraShape(rank=ctx.config.lora.r, targets="all-linear", dropout=ctx.config.lora.dropout, quantized=qlora)
+    lora = LoraShape(rank=ctx.config.lora.r, targets="all-linear", dropout=ctx.config.lora.dropout, quantized=qlora,
+                     expert_targets="all")
     setup = setup.replace(lora=lora, compute_bytes=compute, weight_bytes=compute, optimizer="adamw_fused")
     return estimate(trial.shape, setup).total_bytes
 
