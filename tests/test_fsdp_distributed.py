@@ -171,6 +171,21 @@ def test_lora_adapters_train_under_fsdp2(run):
     assert all(math.isfinite(v) for v in lo["losses"].values())
 
 
+def test_lora_on_a_mixture_of_experts_trains_the_expert_adapters_under_fsdp2(run):
+    """peft's ParamWrapper (adapters on the fused 3-D expert weights) shards with its block and trains."""
+    _, ranks = run
+    for res in ranks:
+        moe = res["moe_lora"]
+        assert moe["lora"]["engaged"] is True and moe["decision"]["engaged"] is True
+        assert moe["all_dtensor"] and moe["trainable_dtensor"]
+        assert moe["adapters"]["model.layers.*.mlp.experts.gate_up_proj"] == 2
+        assert moe["adapters"]["model.layers.*.mlp.experts.down_proj"] == 2
+        assert all(math.isfinite(v) for v in moe["losses"].values()) and len(moe["losses"]) == 3
+    moe = ranks[0]["moe_lora"]
+    assert len(moe["changed_expert_lora"]) == 8  # lora_A and lora_B of both expert weights in both blocks
+    assert moe["changed_base"] == []  # the experts themselves and the router stay frozen
+
+
 def test_fsdp_offload_preset_runs_on_cpu(run):
     _, ranks = run
     off = ranks[0]["offload"]

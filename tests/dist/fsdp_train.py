@@ -30,7 +30,7 @@ SAVE_AT = 4
 GLOBAL_BATCH = 8
 LR = 1e-3
 MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-PHASES = ("main", "resume", "lora", "offload", "full", "strategies", "trap")
+PHASES = ("main", "resume", "lora", "moe_lora", "offload", "full", "strategies", "trap")
 CUDA = False  # --cuda: train on the GPUs (NCCL), as the GPU plan does with one process
 
 
@@ -165,6 +165,38 @@ def phase_lora(out: Path, rank: int, res: dict) -> None:
     tr.save_model(str(out / "lora_final"))
     info["saved_files"] = sorted(os.listdir(out / "lora_final")) if rank == 0 else []
     res["lora"] = info
+
+
+def build_moe(seed: int = 0):
+    """A tiny Mixtral: experts as fused 3-D parameters (transformers 5), adapted through peft's target_parameters."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from hf_speedup.tiny import char_tokenizer
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(**MODEL, num_hidden_layers=2, vocab_size=len(char_tokenizer()), num_local_experts=4,
+                        num_experts_per_tok=2, max_position_embeddings=128, attention_dropout=0.0)
+    return MixtralForCausalLM(cfg)
+
+
+def phase_moe_lora(out: Path, rank: int, res: dict) -> None:
+    """fsdp-lora on a mixture of experts: the expert adapters (peft's ParamWrapper) shard and train, the base does not."""
+    from hf_speedup.features.fsdp.checkpoint import full_model_state_dict
+
+    tok, ds = data()
+    tr = trainer_for(build_moe(0), make_args(out / "moe_lora", GLOBAL_BATCH // _world(), max_steps=3,
+                                             save_strategy="no"),
+                     {"base": "fsdp-lora", "lora": {"dropout": 0.0}}, tok, ds)
+    before = {k: v.clone() for k, v in full_model_state_dict(tr.model).items()}
+    tr.train()
+    after = full_model_state_dict(tr.model)
+    info = {"losses": losses(tr), **_facts(tr), "adapters": tr.speedup_status["lora"].facts.get("adapters")}
+    if rank == 0:
+        changed = sorted(k for k in before if not before[k].equal(after[k]))
+        info["changed_expert_lora"] = sorted(k for k in changed if "lora_" in k and "experts" in k)
+        info["changed_base"] = [k for k in changed if "lora_" not in k]
+    res["moe_lora"] = info
 
 
 def phase_offload(out: Path, rank: int, res: dict) -> None:
