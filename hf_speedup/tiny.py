@@ -82,6 +82,16 @@ def make_dataset(tokenizer, n: int = 512, seed: int = 0, task: str = "mixed", pa
     return Dataset.from_dict(tokenized_columns(tokenizer, n, seed, task, pack_to))
 
 
+def make_rows(tokenizer, n: int = 512, seed: int = 0, task: str = "mixed", pack_to: int | None = None):
+    """:func:`make_dataset`, or the same rows as a list of dicts where the ``datasets`` package is missing (the
+    Trainer takes either)."""
+    try:
+        return make_dataset(tokenizer, n, seed, task, pack_to)
+    except ImportError:
+        columns = tokenized_columns(tokenizer, n, seed, task, pack_to)
+        return [dict(zip(columns, row)) for row in zip(*columns.values())]
+
+
 def tokenized_columns(tokenizer, n: int = 512, seed: int = 0, task: str = "mixed",
                       pack_to: int | None = None) -> dict[str, list]:
     """The columns of :func:`make_dataset` (``input_ids``, ``attention_mask``), without the ``datasets`` package."""

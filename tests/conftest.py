@@ -24,13 +24,9 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def dataset(tokenizer):
     """256 packed rows; a list of rows where the ``datasets`` package is missing (the GPU machine's image)."""
-    from hf_speedup.tiny import make_dataset, tokenized_columns
+    from hf_speedup.tiny import make_rows
 
-    try:
-        return make_dataset(tokenizer, n=256, seed=0, pack_to=64)
-    except ImportError:
-        columns = tokenized_columns(tokenizer, n=256, seed=0, pack_to=64)
-        return [dict(zip(columns, row)) for row in zip(*columns.values())]
+    return make_rows(tokenizer, n=256, seed=0, pack_to=64)
 
 
 @pytest.fixture

@@ -169,6 +169,25 @@ def test_liger_verification_reads_the_live_model(tiny_model, monkeypatch):
     assert liger.verify(d, trainer, None)[1].endswith("loss fused linear cross-entropy")
 
 
+def test_liger_fused_loss_is_seen_through_accelerates_mixed_precision_wrappers(tiny_model, monkeypatch):
+    """Under bf16, ``accelerator.prepare`` (inside ``train()``, after Liger patched the forward) wraps the forward
+    in autocast and an fp32 output cast: the outer function is accelerate's, Liger's is inside ``__wrapped__``."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    monkeypatch.setattr(liger, "installed", lambda: True)
+    monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
+    d = plan(CUDA_H100, tiny_model, "fast")["liger"]
+    tiny_model.__dict__["forward"] = _function_from("liger_kernel.transformers.model.llama", "lce_forward").__get__(
+        tiny_model)
+    model = Accelerator(mixed_precision="bf16", cpu=True).prepare(tiny_model)
+    assert not model.forward.__func__.__module__.startswith("liger_kernel")  # accelerate's wrapper outside
+    _, why = liger.verify(d, SimpleNamespace(model=model, args=SimpleNamespace(use_liger_kernel=True)), None)
+    assert why.endswith("loss fused linear cross-entropy"), why  # it read "loss stock"
+    assert liger.liger_parts(model)["fused_loss"] is True
+
+
 def _function_from(module: str, name: str):
     namespace: dict = {"__name__": module}
     exec(f"def {name}(self, *args, **kwargs):\n    return None", namespace)

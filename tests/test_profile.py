@@ -127,7 +127,7 @@ def test_cuda_memory_snapshot_of_the_window(make_args, tiny_model, dataset, coll
                       callbacks=[callback])
     trainer.train()
     assert [c[0] for c in calls] == ["record", "dump", "record"]
-    assert calls[0][2] == {"max_entries": 100_000} and calls[2][1] is None
+    assert calls[0][2] == {"max_entries": 100_000, "stacks": "python"} and calls[2][1] is None
     path = Path(calls[1][1])
     assert path.parent == Path(trainer.args.output_dir, "profile", "train") and path.suffix == ".pickle"
     assert callback.results["memory_snapshot"]["engaged"] is True

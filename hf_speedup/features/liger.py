@@ -89,8 +89,16 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
 
 
 def _from_liger(fn) -> bool:
-    fn = getattr(fn, "__func__", fn)
-    return (getattr(fn, "__module__", "") or "").startswith(PACKAGE)
+    """Through the wrappers ``accelerator.prepare`` puts around a model's forward under mixed precision (autocast,
+    outputs to fp32): they keep the wrapped function as ``__wrapped__``, and only the innermost one is Liger's."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        fn = getattr(fn, "__func__", fn)
+        if (getattr(fn, "__module__", "") or "").startswith(PACKAGE):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 def _patched_by_liger(module) -> bool:

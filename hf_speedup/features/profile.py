@@ -203,7 +203,8 @@ class ProfilerCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         s = self.settings
         if s.memory_snapshot and self.prof is not None and self.steps_seen == s.wait + s.warmup:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            # Python frames only: "all" symbolizes C++ frames at the dump (minutes, and it can hang on generated code)
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
             self.snapshot_recording = True
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -41,10 +41,10 @@ def build(seed: int = 0):
 
 
 def data():
-    from hf_speedup.tiny import char_tokenizer, make_dataset
+    from hf_speedup.tiny import char_tokenizer, make_rows
 
     tok = char_tokenizer()
-    return tok, make_dataset(tok, n=256, seed=0, pack_to=64)
+    return tok, make_rows(tok, n=256, seed=0, pack_to=64)  # a list where `datasets` is missing (the GPU image)
 
 
 def make_args(out, per_device: int, **kw):
