@@ -122,20 +122,26 @@ def reference(tmp_path, make_args, dataset, collator):
     return trainer
 
 
-def test_a_full_disk_during_a_save_frees_the_staging_folder_and_the_next_resume_works(
-        tmp_path, make_args, dataset, collator, reference, monkeypatch):
-    out = tmp_path / "run"
+@pytest.fixture
+def full_disk(monkeypatch):
+    """torch.save fails with ENOSPC on checkpoint-4's optimizer.pt; ``undo()`` frees the disk again."""
     real_save = torch.save
 
-    def full_disk(obj, f, *args, **kwargs):
+    def save(obj, f, *args, **kwargs):
         if str(f).endswith(os.path.join("checkpoint-4", "optimizer.pt")):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(torch, "save", save)
+    return SimpleNamespace(undo=lambda: monkeypatch.setattr(torch, "save", real_save))
+
+
+def test_a_full_disk_during_a_save_frees_the_staging_folder_and_the_next_resume_works(
+        tmp_path, make_args, dataset, collator, reference, full_disk):
+    out = tmp_path / "run"
     with pytest.raises(OSError, match="No space left on device"):
         _trainer(out, make_args, dataset, collator).train()
-    monkeypatch.setattr(torch, "save", real_save)
+    full_disk.undo()
     assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-2"]  # staging removed
     resumed = _trainer(out, make_args, dataset, collator, seed=1)
     resumed.train(resume_from_checkpoint=True)
@@ -143,16 +149,8 @@ def test_a_full_disk_during_a_save_frees_the_staging_folder_and_the_next_resume_
     assert _losses(resumed) == _losses(reference) and _same_weights(resumed, reference)
 
 
-def test_off_writes_in_place_as_the_stock_trainer_does(tmp_path, make_args, dataset, collator, monkeypatch):
+def test_off_writes_in_place_as_the_stock_trainer_does(tmp_path, make_args, dataset, collator, full_disk):
     """``crash_safe.enabled: false``: the same full disk leaves a half-written checkpoint-4 behind."""
-    real_save = torch.save
-
-    def full_disk(obj, f, *args, **kwargs):
-        if str(f).endswith(os.path.join("checkpoint-4", "optimizer.pt")):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", full_disk)
     trainer = _trainer(tmp_path, make_args, dataset, collator,
                        speedup={"base": "baseline", "crash_safe": {"enabled": False}})
     assert trainer.speedup_status["crash_safe"].to_dict()["engaged"] is False
