@@ -269,7 +269,12 @@ def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
             n = max(1, roles.count(group))
             total += (n * c if cast else r) * h
     total += _saved_attention(shape, st, c)
-    total += 3 * c * i + (c * i if trains else 0)
+    if shape.experts_per_token and shape.expert_intermediate_size:
+        # per routed expert (transformers' expert loop): its gathered input, the gate/up product's three I-wide
+        # inputs, down_proj's input, and its output kept for the routing weight's product
+        total += shape.experts_per_token * (4 * c * shape.expert_intermediate_size + 2 * c * h)
+    else:
+        total += 3 * c * i + (c * i if trains else 0)
     if st.lora is not None:
         total += _saved_lora(shape, st, c)
     return total
@@ -404,8 +409,8 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
 def _notes(shape: ModelShape, st: TrainingSetup) -> tuple[str, ...]:
     notes = ["eager-mode activations: compiled blocks fuse ops and usually keep less"]
     if shape.block_experts:
-        notes.append("mixture of experts: the expert weights (and adapters on them) are counted, the activations of "
-                     "the routed expert MLPs are not (each token runs its top-k experts): expect more than estimated")
+        notes.append(f"mixture of experts: activations modelled on transformers' expert loop, "
+                     f"{shape.experts_per_token} routed expert(s) per token; the router's own tensors are not counted")
     if st.optimizer == "paged_adamw_8bit" and st.device == "cuda":
         notes.append("paged 8-bit states live in CUDA unified memory: outside torch.cuda.max_memory_allocated, "
                      "paged to host under pressure")

@@ -37,6 +37,12 @@ class ModelShape:
     block_linears: tuple[tuple[str, int, int], ...] = ()  # (leaf name, in_features, out_features) per Linear
     # fused 3-D expert weights of a mixture-of-experts block: (block-relative name, experts, in, out)
     block_experts: tuple[tuple[str, int, int, int], ...] = ()
+    experts_per_token: int = 0  # config.num_experts_per_tok: the routed experts each token runs through
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The width inside one expert: the input of the expert weight that projects back to hidden."""
+        return next((i for _, _, i, o in self.block_experts if o == self.hidden_size), 0)
 
     @property
     def block_linear_params(self) -> int:
@@ -142,6 +148,7 @@ def model_shape(model: nn.Module) -> ModelShape | None:
         block_params=sum(_numel(p) for p in block.values()),
         block_small_params=sum(_numel(p) for p in block.values() if p.numel() < SMALL_PARAM),
         block_linears=linears, block_experts=_block_experts(blocks[0]),
+        experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
     )
 
 

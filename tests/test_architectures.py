@@ -392,8 +392,8 @@ def test_moe_lora_keeps_its_blocks_eager():
 
 @pytest.mark.parametrize("name", MOE)
 def test_the_memory_estimate_counts_the_adapters_on_the_experts(name):
-    """The plan's adapter count is the live PeftModel's trainable parameters (expert pairs included), and the
-    estimate says what it leaves out for a mixture of experts."""
+    """The plan's adapter count is the live PeftModel's trainable parameters (expert pairs included); the shape
+    knows the routed experts per token and their width (the activations depend on them)."""
     from conftest import CPU_NO_BF16, fake_caps
 
     from hf_speedup.features.memory_budget import training_setup
@@ -409,9 +409,11 @@ def test_the_memory_estimate_counts_the_adapters_on_the_experts(name):
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     assert lora_parameters(shape, setup.lora) == trainable
     assert model_shape(peft_model).block_experts == shape.block_experts  # read through peft's wrapper too
+    assert shape.experts_per_token == 2 and shape.expert_intermediate_size == model.config.to_dict().get(
+        "moe_intermediate_size", model.config.intermediate_size)
     notes = estimate(shape, TrainingSetup(micro_batch=1, seq_len=16)).notes
-    assert any(n.startswith("mixture of experts: the expert weights (and adapters on them) are counted, the "
-                            "activations of the routed expert MLPs are not") for n in notes)
+    assert "mixture of experts: activations modelled on transformers' expert loop, 2 routed expert(s) per token; " \
+           "the router's own tensors are not counted" in notes
 
 
 # ------------------------------------------------------------------------------------ LoRA and the task head
