@@ -273,6 +273,9 @@ def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
         # per routed expert (transformers' expert loop): its gathered input, the gate/up product's three I-wide
         # inputs, down_proj's input, and its output kept for the routing weight's product
         total += shape.experts_per_token * (4 * c * shape.expert_intermediate_size + 2 * c * h)
+        # a shared expert (Qwen2-MoE): an MLP of Linears beside the routed experts, run for every token
+        shared = next((d_in for n, d_in, d_out in shape.block_linears if d_out == h and ATTN_ROLE.get(n) == "mlp"), 0)
+        total += 3 * c * shared + (c * shared if trains else 0)
     else:
         total += 3 * c * i + (c * i if trains else 0)
     if st.lora is not None:

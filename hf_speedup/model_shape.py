@@ -35,14 +35,17 @@ class ModelShape:
     block_params: int  # one repeated block
     block_small_params: int  # of which in tensors under 4,096 elements (norms, biases)
     block_linears: tuple[tuple[str, int, int], ...] = ()  # (leaf name, in_features, out_features) per Linear
-    # fused 3-D expert weights of a mixture-of-experts block: (block-relative name, experts, in, out)
+    # fused 3-D expert weights of a mixture-of-experts block: (block-relative name, experts, last dim, middle dim),
+    # that is (in, out) for the (experts, out, in) layout of most models; GPT-OSS and Aria store them the other way
     block_experts: tuple[tuple[str, int, int, int], ...] = ()
     experts_per_token: int = 0  # config.num_experts_per_tok: the routed experts each token runs through
 
     @property
     def expert_intermediate_size(self) -> int:
-        """The width inside one expert: the input of the expert weight that projects back to hidden."""
-        return next((i for _, _, i, o in self.block_experts if o == self.hidden_size), 0)
+        """The width inside one expert: the narrower of its weights' sides other than hidden (stored (experts, out,
+        in) by most models, (experts, in, out) by GPT-OSS and Aria; gate/up fused is 2 x wide; the width may equal
+        hidden)."""
+        return min((o if i == self.hidden_size else i for _, _, i, o in self.block_experts), default=0)
 
     @property
     def block_linear_params(self) -> int:

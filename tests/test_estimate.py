@@ -149,24 +149,41 @@ def test_estimate_matches_memtracker_on_a_real_step(tmp_path, name):
         assert _rel(est.sizes["optimizer_states"], measured["Optstate"]) <= PART_REL
 
 
-@pytest.mark.parametrize("experts_per_token, lora", [(2, False), (1, True)])
-def test_mixture_of_experts_estimate_matches_memtracker(tmp_path, experts_per_token, lora):
-    """A tiny Mixtral: each token keeps activations in every expert it is routed to (top-k), and LoRA adapts the
-    fused expert weights (their adapters counted); the estimate had counted one dense MLP per token."""
-    from transformers import MixtralConfig, MixtralForCausalLM, TrainingArguments
+def _moe_config(arch: str, experts_per_token: int):
+    import transformers as T
 
-    cfg = MixtralConfig(vocab_size=4096, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
-                        num_experts_per_tok=experts_per_token, max_position_embeddings=128)
+    common = dict(vocab_size=4096, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                  num_experts_per_tok=experts_per_token, max_position_embeddings=128)
+    if arch == "qwen2_moe":  # routed experts 200 wide beside a shared expert 256 wide
+        return T.Qwen2MoeConfig(**common, intermediate_size=344, moe_intermediate_size=200,
+                                shared_expert_intermediate_size=256, num_experts=4)
+    if arch == "gpt_oss":  # experts stored (experts, in, out)
+        return T.GptOssConfig(**common, intermediate_size=200, head_dim=32, num_local_experts=4,
+                              layer_types=["full_attention"] * 4)
+    return T.MixtralConfig(**common, intermediate_size=344, num_local_experts=4)
+
+
+# (architecture, experts per token, LoRA, tolerance): measured here 0.998, 0.908 (LoRA), 0.987, 0.895 of MemTracker;
+# before, with one dense MLP per token, Mixtral's full fine-tune read 0.850 and its LoRA 0.841
+@pytest.mark.parametrize("arch, experts_per_token, lora, rel", [
+    ("mixtral", 2, False, 0.03), ("mixtral", 1, True, TOTAL_REL), ("qwen2_moe", 2, False, 0.03),
+    ("gpt_oss", 2, False, TOTAL_REL)])
+def test_mixture_of_experts_estimate_matches_memtracker(tmp_path, arch, experts_per_token, lora, rel):
+    """Each token keeps activations in every expert it is routed to (top-k) and in a shared expert; LoRA adapts
+    the fused expert weights (their adapters counted). GPT-OSS's expert forward (clamped, biased) keeps more."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
     torch.manual_seed(0)
-    model = MixtralForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(_moe_config(arch, experts_per_token))
+    shape = model_shape(model)
+    assert (shape.expert_intermediate_size, shape.experts_per_token) == (344 if arch == "mixtral" else 200,
+                                                                          experts_per_token)
     speedup = {**FP32, "lora": {"enabled": True, "dropout": 0.0}} if lora else {**FP32}
     user_args = TrainingArguments(output_dir=str(tmp_path / "est"), report_to=[], use_cpu=True)
     est = estimate_memory(model, speedup=speedup, batch_size=BATCH, seq_len=SEQ, args=user_args)
     trainer, _, _ = _train_one_tracked_step(tmp_path, speedup, {}, model)
     live = trainer.speedup_report.to_dict()["measurement"]["live_tensor_peak"]
-    # full fine-tune: 0.2% here (it was 15% low); LoRA 9% low (it was 16%)
-    assert _rel(est.peak_tensor_bytes, live["bytes"]) <= (TOTAL_REL if lora else 0.03), (est.breakdown, live)
+    assert _rel(est.peak_tensor_bytes, live["bytes"]) <= rel, (est.breakdown, live)
     if lora:
         adapters = sum(p.numel() * p.element_size() for n, p in trainer.model.named_parameters() if "lora_" in n)
         assert est.sizes["lora_adapters"] == pytest.approx(16 / 4 * adapters, rel=PART_REL)

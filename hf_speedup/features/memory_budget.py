@@ -60,7 +60,7 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
     if (ls := _settings(decisions, "lora")) is not None:
         targets = ls.target_modules if isinstance(ls.target_modules, str) else tuple(ls.target_modules)
         lora = LoraShape(rank=ls.r, targets=targets, dropout=ls.dropout, quantized=ls.quantization == "4bit",
-                         expert_targets=tuple(getattr(ls, "target_parameters", ()) or ()))
+                         expert_targets=tuple(ls.target_parameters))
     ck = decisions.get("checkpointing")
     blocks: tuple[int, ...] = ()
     if ck is not None and ck.settings.by is not None:
