@@ -18,7 +18,7 @@ import tempfile
 
 def _walk(make_trainer, request) -> list[str]:
     """The modules that hold the request (the ``speedup=`` value or the SpeedupConfig made of it) as an argument,
-    or get one back, in order, until the trainer's plan exists (``build_plan`` returns outside ``loading``)."""
+    or get one back, in order, until the trainer's plan exists (``build_plan`` returns a plan for the model)."""
     from hf_speedup.config import SpeedupConfig
     from hf_speedup.plan_types import Plan
 
@@ -32,13 +32,6 @@ def _walk(make_trainer, request) -> list[str]:
         short = module[len("hf_speedup."):] or "hf_speedup"
         if not stays or stays[-1] != short:
             stays.append(short)
-
-    def inside_loading(frame) -> bool:
-        while frame is not None:
-            if frame.f_globals.get("__name__") == "hf_speedup.loading":
-                return True
-            frame = frame.f_back
-        return False
 
     def tracer(frame, event, arg):
         nonlocal done
@@ -54,8 +47,8 @@ def _walk(make_trainer, request) -> list[str]:
             if caller.startswith("hf_speedup"):
                 stay(module)
                 stay(caller)
-            if code.co_name == "build_plan" and not inside_loading(frame.f_back):
-                done = True
+            if code.co_name == "build_plan" and frame.f_locals.get("model") is not None:
+                done = True  # the trainer's plan, made for the model (a load-time plan has none)
         return tracer
 
     sys.settrace(tracer)

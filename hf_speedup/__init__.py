@@ -5,7 +5,7 @@ from .estimate import estimate_memory
 from .features.interrupt import TrainingInterrupted
 from .features.memory import enable_expandable_segments, memory_env
 from .loading import load_model, load_tokenizer
-from .plan import build_plan
+from .plan import build_plan, plan_for
 from .presets import get_preset, list_presets
 from .stock import sft_config, training_arguments
 from .trainer import SpeedupMixin, SpeedupTrainer
@@ -20,6 +20,7 @@ __all__ = [
     "training_arguments",
     "sft_config",
     "build_plan",
+    "plan_for",
     "estimate_memory",
     "load_model",
     "load_tokenizer",

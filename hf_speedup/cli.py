@@ -69,13 +69,14 @@ def _probe(ns):
 
 
 def _cmd_plan(ns) -> int:
+    from .model_info import describe_model
     from .plan import build_plan
+    from .presets import resolve
     from .report import Report
 
-    from .presets import resolve
-
     config = resolve(ns.preset if not ns.config else ns.config)  # a bad config fails before any model is built
-    report = Report(build_plan(config, caps=_probe(ns), model=_load_model_for_plan(ns)))
+    model = _load_model_for_plan(ns)
+    report = Report(build_plan(config, _probe(ns), describe_model(model) if model is not None else None))
     if ns.json:
         import json
 

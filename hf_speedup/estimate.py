@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .config import SpeedupConfigError
+from .config import SpeedupConfig, SpeedupConfigError
 from .features.memory_budget import training_setup
 from .hardware import Capabilities, probe
 from .loading import load_kwargs
@@ -106,20 +106,19 @@ def estimate_memory(model_or_config: Any, *, speedup: Any = "auto", batch_size: 
     cfg = resolve(speedup)  # a bad config fails before any model is built
     described = describe_for_estimate(model_or_config, trust_remote_code)
     return estimate_described(described, cfg, batch_size=batch_size, seq_len=seq_len, world_size=world_size,
-                              gradient_accumulation_steps=gradient_accumulation_steps, caps=caps, padded=padded,
-                              args=args)
+                              gradient_accumulation_steps=gradient_accumulation_steps,
+                              caps=caps if caps is not None else probe(args), padded=padded, args=args)
 
 
-def estimate_described(described: tuple[ModelInfo, bool], speedup: Any, *, batch_size: int, seq_len: int,
-                       world_size: int = 1, gradient_accumulation_steps: int = 1, caps: Capabilities | None = None,
+def estimate_described(described: tuple[ModelInfo, bool], cfg: SpeedupConfig, *, batch_size: int, seq_len: int,
+                       caps: Capabilities, world_size: int = 1, gradient_accumulation_steps: int = 1,
                        padded: bool = False, args: Any = None, gpus_per_node: int | None = None) -> MemoryEstimate:
-    """:func:`estimate_memory` for a model already described (``describe_for_estimate``). ``gpus_per_node``: the
-    shard group of ``fsdp.strategy: hybrid_shard`` where this process plans no sharding (default: every rank)."""
+    """:func:`estimate_memory` for a model already described (``describe_for_estimate``), a resolved config and the
+    machine's capabilities (each door resolves and probes once). ``gpus_per_node``: the shard group of
+    ``fsdp.strategy: hybrid_shard`` where this process plans no sharding (default: every rank)."""
     info, real = described
-    cfg = resolve(speedup)
     if cfg.memory.budget is not None and cfg.memory.seq_len is None:
         cfg = cfg.replace(memory={"seq_len": seq_len})
-    caps = caps if caps is not None else probe(args)
     if world_size != caps.world_size:
         caps = dataclasses.replace(caps, world_size=world_size)
     if info.shape is None:
@@ -155,10 +154,10 @@ def estimate_described(described: tuple[ModelInfo, bool], speedup: Any, *, batch
     return dataclasses.replace(result, notes=tuple(notes) + result.notes, plan_changes=tuple(changes))
 
 
-def cheapest_fit(described: tuple[ModelInfo, bool], speedup: Any, memory_bytes: int, *, seq_len: int,
+def cheapest_fit(described: tuple[ModelInfo, bool], config: SpeedupConfig, memory_bytes: int, *, seq_len: int,
                  **kwargs: Any) -> tuple[MemoryEstimate | None, str]:
     """What ``memory.budget = memory_bytes`` would choose: (its estimate, the changes) or (None, why nothing fits)."""
-    cfg = resolve(speedup).replace(memory={"budget": int(memory_bytes), "seq_len": seq_len})
+    cfg = config.replace(memory={"budget": int(memory_bytes), "seq_len": seq_len})
     try:
         est = estimate_described(described, cfg, seq_len=seq_len, **kwargs)
     except SpeedupConfigError as exc:

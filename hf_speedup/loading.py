@@ -25,7 +25,7 @@ import torch
 from . import compat
 from .config import SpeedupConfigError
 from .gguf import clear_stale_gguf_quantizer
-from .plan import build_plan
+from .plan import plan_for
 
 logger = logging.getLogger("hf_speedup")
 
@@ -113,7 +113,11 @@ def load_model(name_or_path: str | os.PathLike, speedup: Any = "auto", *, caps=N
     ``caps`` overrides the hardware probe (tests); ``model_class`` defaults to AutoModelForCausalLM.
     Pass the result to ``SpeedupTrainer(model=..., speedup=<same speedup>)``.
     """
-    plan = build_plan(speedup, caps=caps, model=None, args=None)
+    return load_planned(name_or_path, plan_for(speedup, caps=caps), model_class=model_class, **from_pretrained_kwargs)
+
+
+def load_planned(name_or_path: str | os.PathLike, plan, *, model_class=None, **from_pretrained_kwargs: Any):
+    """:func:`load_model` for a plan already made without the model (the trainer's, for its own device)."""
     path, kwargs = load_kwargs(name_or_path, plan, **from_pretrained_kwargs)
     if model_class is None:
         from transformers import AutoModelForCausalLM as model_class

@@ -1,13 +1,17 @@
 """build_plan: turn a request + capabilities + model description into frozen decisions with reasons.
 
-Pure: it reads, never changes, the model and touches no GPU. Each feature module decides for
-itself (``features/<name>.py::decide``); this module only orders them and collects the result.
+Pure: it resolves nothing, probes nothing, reads (never changes) what it is given and touches no GPU. Each
+feature decides for itself (``features/<name>``'s ``decide``); this module only orders them and collects the
+result. Turning a preset name into a SpeedupConfig and the machine into Capabilities happens once, at the
+public door the request came in by (the trainer, ``training_arguments``, ``load_model``, the CLI, the
+estimator); :func:`plan_for` is that door for code that holds a preset name and wants the plan.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .config import SpeedupConfig
 from .features import FEATURES
 from .hardware import Capabilities, probe
 from .model_info import ModelInfo, describe_model
@@ -15,12 +19,34 @@ from .plan_types import Plan, PlanContext
 from .presets import resolve
 
 
-def build_plan(config: Any = "auto", caps: Capabilities | None = None, model: Any = None, args: Any = None) -> Plan:
-    """Decide every feature. ``config`` as ``speedup=`` takes it; ``model`` an ``nn.Module`` or a :class:`ModelInfo`."""
-    cfg = resolve(config)
-    caps = caps if caps is not None else probe(args)  # the device these arguments train on
-    info = model if (model is None or isinstance(model, ModelInfo)) else describe_model(model)
-    ctx = PlanContext(config=cfg, caps=caps, model=info, args=args)
+def build_plan(config: SpeedupConfig, caps: Capabilities, model: ModelInfo | None = None, args: Any = None) -> Plan:
+    """Decide every feature for a resolved ``config`` on the machine ``caps`` describes, for the model facts
+    ``model`` (None: planned without a model) and the user's TrainingArguments ``args`` (None: without them)."""
+    _check_inputs(config, caps, model)
+    ctx = PlanContext(config=config, caps=caps, model=model, args=args)
     for feature in FEATURES:
         ctx.decisions[feature.NAME] = feature.decide(ctx)
-    return Plan(config=cfg, caps=caps, model=info, decisions=ctx.decisions)
+    return Plan(config=config, caps=caps, model=model, decisions=ctx.decisions)
+
+
+def plan_for(speedup: Any = "auto", caps: Capabilities | None = None, model: Any = None, args: Any = None) -> Plan:
+    """The door for a request in any form ``SpeedupTrainer(speedup=...)`` takes (arguments in :func:`build_plan`'s
+    order): resolved, the device ``args`` train on probed (unless ``caps`` is given), an ``nn.Module`` described,
+    each once, then :func:`build_plan`."""
+    config = resolve(speedup)  # a bad request fails here, before the machine or the model is looked at
+    info = model if model is None or isinstance(model, ModelInfo) else describe_model(model)
+    return build_plan(config, caps if caps is not None else probe(args), info, args)
+
+
+def _check_inputs(config: Any, caps: Any, model: Any) -> None:
+    """A loose request reaching the pure planner is a caller's bug: say which door does the resolving."""
+    wrong = []
+    if not isinstance(config, SpeedupConfig):
+        wrong.append(f"config = {config!r} ({type(config).__name__}); allowed: a SpeedupConfig")
+    if not isinstance(caps, Capabilities):
+        wrong.append(f"caps = {caps!r} ({type(caps).__name__}); allowed: Capabilities (hardware.probe(args))")
+    if model is not None and not isinstance(model, ModelInfo):
+        wrong.append(f"model = {type(model).__name__}; allowed: a ModelInfo (model_info.describe_model(model)) or None")
+    if wrong:
+        raise TypeError("build_plan takes resolved inputs: " + "; ".join(wrong) + ". Fix: call "
+                        "hf_speedup.plan_for(speedup, model, args), which resolves, probes and describes once")

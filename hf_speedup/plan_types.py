@@ -60,6 +60,8 @@ class Outcome:
     facts: dict = field(default_factory=dict)  # read off the live objects; the report shows them under settings
     engaged: bool | None = None  # None until verified on the real objects
     engaged_reason: str = "not verified yet"
+    # what a feature's own hooks hand each other between phases (``prepare`` -> ``attach``); never reported
+    handoff: dict = field(default_factory=dict, repr=False)
 
     def withdraw(self, why: str) -> None:
         """The feature was planned but apply or verify took it out again (a check forward failed, the model

@@ -25,7 +25,7 @@ from typing import Any
 
 from trl import SFTConfig, SFTTrainer
 
-from .features.data import EXPLICIT_ARGS_ATTR
+from .features.explicit_args import EXPLICIT_ARGS_ATTR
 from .trainer import SpeedupMixin
 
 

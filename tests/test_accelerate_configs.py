@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hf_speedup import build_plan
+from hf_speedup import plan_for
 from hf_speedup.accelerate_config import SHIPPED, accelerate_config_dict, write_accelerate_config
 from hf_speedup.config import SpeedupConfigError
 from hf_speedup.features.fsdp.settings import launch_file_fsdp_config
@@ -132,7 +132,7 @@ def test_shipped_fsdp_options_are_what_a_launched_run_decides(name, monkeypatch)
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(n // m))
     cfg = get_preset(preset).replace(**overrides) if overrides else get_preset(preset)
-    decided = build_plan(cfg, fake_caps(**{**CUDA_H100, "world_size": n}))["fsdp"].settings
+    decided = plan_for(cfg, fake_caps(**{**CUDA_H100, "world_size": n}))["fsdp"].settings
     shipped = yaml.safe_load((FOLDER / f"{name}.yaml").read_text())
     assert launch_file_fsdp_config(decided) == shipped["fsdp_config"]
     hsdp = shipped.get("parallelism_config")
@@ -243,14 +243,14 @@ def test_a_parallelism_config_accelerate_refuses_is_said_when_the_plan_is_made(m
     cpu4 = fake_caps(device_type="cpu", world_size=4)
     with pytest.raises(SpeedupConfigError, match=r"parallelism_config \(dp_replicate_size=2, dp_shard_size=2\) is "
                                                  r"refused by accelerate on CPU processes .* fix: speedup='fsdp'"):
-        build_plan("auto", cpu4)
+        plan_for("auto", cpu4)
     # the fsdp preset applies that layout with its own FSDP2 on CPU
-    assert build_plan("fsdp", cpu4)["fsdp"].settings.mesh.shape == (2, 2)
+    assert plan_for("fsdp", cpu4)["fsdp"].settings.mesh.shape == (2, 2)
     # a layout that does not cover the processes: accelerate refuses it on any device
     _parallelism_env(monkeypatch, 2, 8)
     with pytest.raises(SpeedupConfigError, match=r"covers 16 processes but 4 run; accelerate refuses it .* "
                                                  r"parallelism_config_dp_shard_size: 2 "):
-        build_plan("auto", fake_caps(**{**CUDA_H100, "world_size": 4}))
+        plan_for("auto", fake_caps(**{**CUDA_H100, "world_size": 4}))
 
 
 def test_speedup_trainer_says_so_before_accelerate_refuses(monkeypatch, tiny_model, make_args, dataset, collator):

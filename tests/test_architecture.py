@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("model_info", "model_parts", "model_shape", "memory_model"),  # what the plan may know of a model; memory formulas
     ("plan_types",),  # Decision, Outcome, Plan
     ("features",),  # one module (or package) per acceleration
-    ("plan",),  # build_plan: orders the features' decisions
+    ("plan",),  # plan_for: orders the features' decisions; plan_for: the door for a loose request
+    ("runner",),  # Speedup: the feature protocol every trainer class and the stock-Trainer helpers drive
     ("stock", "loading", "accelerate_config", "inputs", "estimate"),  # what a plan means outside SpeedupTrainer; input checks
     ("report",),  # the report's schema, collection and sinks
     ("scaling",),  # a cluster plan: the memory estimate per rank, collectives, a step-time bound by the report's FLOPs
@@ -120,7 +121,7 @@ def test_no_import_cycle():
 
 
 @pytest.mark.parametrize("bad, expected", [
-    ("from .plan import build_plan", "config -> plan"),
+    ("from .plan import plan_for", "config -> plan"),
     ("from ..trainer import SpeedupTrainer", "features.x -> trainer"),
 ])
 def test_the_checker_sees_lazy_upward_imports(tmp_path, monkeypatch, bad, expected):
@@ -137,14 +138,79 @@ def test_every_feature_has_the_contract_and_says_where_it_acts():
     config section and plan; the four functions; ``APPLIES_TO`` (when given) one of the allowed values."""
     from hf_speedup.config import SpeedupConfig
     from hf_speedup.features import FEATURES
-    from hf_speedup.plan import build_plan
+    from hf_speedup.plan import plan_for
     from hf_speedup.tiny import tiny_llama
 
     sections = {f.name for f in dataclasses.fields(SpeedupConfig)}
-    plan = build_plan("auto", model=tiny_llama())
+    plan = plan_for("auto", model=tiny_llama())
     for feature in FEATURES:
         assert feature.__name__.rsplit(".", 1)[1] == feature.NAME, feature.__name__
         assert feature.NAME in sections and feature.NAME in plan.decisions, feature.NAME
         assert all(callable(getattr(feature, fn, None)) for fn in ("decide", "training_args", "apply", "verify"))
         assert getattr(feature, "APPLIES_TO", "args") in {"args", "model", "train"}, feature.NAME
     assert [f.NAME for f in FEATURES if hasattr(f, "during_train")] == ["interrupt"]
+
+
+# Modules that drive every feature the same way: none of them may know one by name.
+FEATURE_BLIND = ("trainer", "trl_support", "stock", "runner")
+
+
+def _feature_names() -> set[str]:
+    from hf_speedup.features import FEATURES
+
+    return {feature.NAME for feature in FEATURES}
+
+
+def test_the_trainers_and_the_runner_name_no_feature():
+    """The trainer classes, the stock-Trainer helpers and the runner reach features only through ``FEATURES`` and
+    their hooks: no import of a feature's module, no feature name as a string (``outcomes["lora"]``)."""
+    names = _feature_names()
+    found = []
+    for module in FEATURE_BLIND:
+        path = PACKAGE / f"{module}.py"
+        found += [f"{module} imports {t}" for t in _imports(path, module)
+                  if t.startswith("features.") and t.split(".")[1] in names]
+        found += [f"{module} names {node.value!r} (line {node.lineno})" for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Constant) and node.value in names]
+    assert not found, "\n".join(found)
+
+
+def test_the_blindness_check_sees_a_feature_named(tmp_path):
+    """The check above can fail: a module that imports a feature or indexes its outcome is caught."""
+    names = _feature_names()
+    path = tmp_path / "trainer.py"
+    path.write_text("from .features import data as data_feature\nx = outcomes['lora']\n")
+    imported = [t for t in _imports(path, "trainer") if t.startswith("features.") and t.split(".")[1] in names]
+    named = [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant) and n.value in names]
+    assert imported == ["features.data"] and named == ["lora"]
+
+
+def test_the_trainer_methods_features_override_are_the_mixins_bases():
+    """``SpeedupMixin`` is made of the features' ``TRAINER_HOOKS`` in ``FEATURES`` order, so a feature that needs a
+    Trainer method declares it and the trainer does not change."""
+    from hf_speedup.features import FEATURES
+    from hf_speedup.trainer import SpeedupMixin
+
+    declared = tuple(f.TRAINER_HOOKS for f in FEATURES if hasattr(f, "TRAINER_HOOKS"))
+    assert SpeedupMixin.__bases__ == declared and len(declared) >= 3
+    assert {f.NAME for f in FEATURES if hasattr(f, "TRAINER_HOOKS")} >= {"fsdp", "data", "crash_safe"}
+
+
+MAX_LINES = 400
+
+
+def test_no_module_passes_the_size_of_one_job():
+    """A module over ~400 lines holds several jobs: split it by job (a feature with helpers is a package)."""
+    big = {p.relative_to(PACKAGE).as_posix(): n for p in PACKAGE.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+def test_each_feature_is_one_module_or_one_package():
+    """Helpers that serve one feature live inside its package: the top of ``features/`` holds the features and the
+    helpers several of them share, nothing else."""
+    names = _feature_names()
+    shared = {"__init__", "explicit_args", "fallback", "probe"}  # used by several features
+    top = {p.stem for p in (PACKAGE / "features").glob("*.py")} | {
+        p.name for p in (PACKAGE / "features").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert top - names - shared == set(), f"not a feature nor a shared helper: {sorted(top - names - shared)}"

@@ -307,9 +307,9 @@ ARCHITECTURE_INDEPENDENT = {"interrupt", "memory", "empty_cache", "crash_safe"}
 def lora_plan(model, **lora):
     from conftest import CPU_NO_BF16, fake_caps
 
-    from hf_speedup import build_plan
+    from hf_speedup import plan_for
 
-    return build_plan(get_preset("lora").replace(lora=lora) if lora else "lora", caps=fake_caps(**CPU_NO_BF16),
+    return plan_for(get_preset("lora").replace(lora=lora) if lora else "lora", caps=fake_caps(**CPU_NO_BF16),
                       model=model)["lora"]
 
 
@@ -382,9 +382,9 @@ def test_moe_lora_keeps_its_blocks_eager():
     """peft re-registers the expert parametrization at every forward: a compiled block would recompile every step."""
     from conftest import CPU_NO_BF16, fake_caps
 
-    from hf_speedup import build_plan
+    from hf_speedup import plan_for
 
-    d = build_plan(get_preset("fast").replace(lora={"enabled": True, "dropout": 0.0}), caps=fake_caps(**CPU_NO_BF16),
+    d = plan_for(get_preset("fast").replace(lora={"enabled": True, "dropout": 0.0}), caps=fake_caps(**CPU_NO_BF16),
                    model=build("mixtral"))["compile"]
     assert d.applied == "off" and "registers a parametrization at every forward" in d.reason
     assert d.fallbacks and d.fallbacks[0].startswith("compile: LoRA on the experts' fused weights")

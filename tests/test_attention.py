@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import CPU_NO_BF16, CUDA_H100, CUDA_V100, fake_caps
-from hf_speedup import SpeedupConfigError, SpeedupTrainer, build_plan, get_preset
+from hf_speedup import SpeedupConfigError, SpeedupTrainer, plan_for, get_preset
 from hf_speedup.features import attention, liger
 
 
@@ -14,7 +14,7 @@ def plan(caps: dict, model, preset="auto", args=None, **attn):
     cfg = get_preset(preset) if isinstance(preset, str) else preset
     if attn:
         cfg = cfg.replace(attention=attn)
-    return build_plan(cfg, caps=fake_caps(**caps), model=model, args=args)
+    return plan_for(cfg, caps=fake_caps(**caps), model=model, args=args)
 
 
 @pytest.fixture

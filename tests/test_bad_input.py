@@ -18,7 +18,7 @@ import pytest
 from torch import nn
 
 from conftest import CPU_NO_BF16, CUDA_H100, CUDA_V100, fake_caps
-from hf_speedup import SpeedupConfig, SpeedupConfigError, SpeedupTrainer, build_plan, training_arguments
+from hf_speedup import SpeedupConfig, SpeedupConfigError, SpeedupTrainer, plan_for, training_arguments
 from hf_speedup.cli import main
 from hf_speedup.config import CompileSettings
 from hf_speedup.presets import resolve
@@ -89,7 +89,7 @@ def cfg(**sections):
 
 
 def plan(speedup, caps=CPU_NO_BF16, **kw):
-    return build_plan(speedup, caps=fake_caps(**caps), **kw)
+    return plan_for(speedup, caps=fake_caps(**caps), **kw)
 
 
 def _no_launch_env(ctx: Ctx, world: str = "2"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_speedup import SpeedupConfig, build_plan, estimate_memory
+from hf_speedup import SpeedupConfig, plan_for, estimate_memory
 from hf_speedup.config import SpeedupConfigError
 from hf_speedup.features import memory
 
@@ -37,7 +37,7 @@ def _args(tmp_path, **kw):
 
 
 def _plan(info, budget, args, caps=H100, **memory_fields):
-    return build_plan({"memory": {"budget": budget, "seq_len": 2048, **memory_fields}}, caps, info, args)
+    return plan_for({"memory": {"budget": budget, "seq_len": 2048, **memory_fields}}, caps, info, args)
 
 
 # ---------------------------------------------------------------------------------------- validation
@@ -56,10 +56,10 @@ def test_budget_values_that_are_allowed(value):
 def test_the_budget_needs_a_sequence_length(tmp_path, llama3_8b_bf16):
     with pytest.raises(SpeedupConfigError, match=r"needs the sequence length.*memory\.seq_len = None.*fix: set "
                                                  r"memory\.seq_len"):
-        build_plan({"memory": {"budget": "80GB"}}, H100, llama3_8b_bf16, _args(tmp_path))
+        plan_for({"memory": {"budget": "80GB"}}, H100, llama3_8b_bf16, _args(tmp_path))
     args = _args(tmp_path)
     args.max_length = 2048  # TRL's SFTConfig has one
-    plan = build_plan({"memory": {"budget": "80GB"}}, H100, llama3_8b_bf16, args)
+    plan = plan_for({"memory": {"budget": "80GB"}}, H100, llama3_8b_bf16, args)
     assert plan["memory"].settings.budget.seq_len == 2048
 
 
@@ -117,7 +117,7 @@ def test_8b_at_8gb_not_even_qlora_fits(tmp_path, llama3_8b_bf16):
 
 def test_with_lora_asked_for_the_budget_fits_the_adapters(tmp_path, llama3_8b_bf16):
     """LoRA the user turned on is kept and fitted like anything else (here at 24 GB)."""
-    plan = build_plan({"lora": {"enabled": True}, "memory": {"budget": "24GB", "seq_len": 2048}}, H100,
+    plan = plan_for({"lora": {"enabled": True}, "memory": {"budget": "24GB", "seq_len": 2048}}, H100,
                       llama3_8b_bf16, _args(tmp_path, per_device_train_batch_size=8))
     fit = plan["memory"].settings.budget
     assert plan["lora"].active and fit.predicted_bytes <= 24_000_000_000
@@ -147,7 +147,7 @@ def test_chunked_loss_is_the_last_step_and_8bit_is_skipped_where_it_cannot_run(t
     base = {"precision": {"dtype": "fp32"}}
     leanest_stock = estimate_memory(model, speedup={**base, "checkpointing": {"enabled": True}}, batch_size=1,
                                     seq_len=512, gradient_accumulation_steps=8, caps=cpu).total_bytes
-    plan = build_plan({**base, "memory": {"budget": leanest_stock - 1, "seq_len": 512}}, cpu, info, args)
+    plan = plan_for({**base, "memory": {"budget": leanest_stock - 1, "seq_len": 512}}, cpu, info, args)
     fit = plan["memory"].settings.budget
     assert fit.steps[-1].level == "+ chunked cross-entropy" and fit.steps[-1].fits
     skipped = [s for s in fit.steps if s.skipped]
@@ -157,7 +157,7 @@ def test_chunked_loss_is_the_last_step_and_8bit_is_skipped_where_it_cannot_run(t
 
     # an explicit loss.chunked: false is the user's choice: the budget does not turn it on, it says nothing fits
     with pytest.raises(SpeedupConfigError, match=r"memory.budget = .* no configuration hf_speedup may choose"):
-        build_plan({**base, "loss": {"chunked": False}, "memory": {"budget": leanest_stock - 1, "seq_len": 512}},
+        plan_for({**base, "loss": {"chunked": False}, "memory": {"budget": leanest_stock - 1, "seq_len": 512}},
                    cpu, info, args)
 
 

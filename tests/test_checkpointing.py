@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import CPU_NO_BF16, fake_caps
 
-from hf_speedup import SpeedupTrainer, build_plan, get_preset
+from hf_speedup import SpeedupTrainer, plan_for, get_preset
 from hf_speedup.features import Setup, checkpointing
 from hf_speedup.features import fsdp as fsdp_feature
 from hf_speedup.model_info import describe_model
@@ -26,7 +26,7 @@ def decide(cfg, model=None, args=None, fsdp=None):
 
 
 def applied(model, every_n=1):
-    d = build_plan(ckpt_cfg(every_n), caps=fake_caps(**CPU_NO_BF16), model=model)["checkpointing"]
+    d = plan_for(ckpt_cfg(every_n), caps=fake_caps(**CPU_NO_BF16), model=model)["checkpointing"]
     setup, outcome = Setup(model=model, args=None), Outcome()
     checkpointing.apply(d, setup, outcome)
     return setup.model, d, outcome

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
-from hf_speedup import SpeedupTrainer, build_plan, get_preset
+from hf_speedup import SpeedupTrainer, plan_for, get_preset
 from hf_speedup.features import Setup
 from hf_speedup.features import compile as rc
 from hf_speedup.model_info import ModelInfo
@@ -34,7 +34,7 @@ def compiled(model, **compile):
     specialise on each block's ``layer_idx``.
     """
     model.config.use_cache = False
-    plan = build_plan(compile_cfg(**compile), fake_caps(**CPU_NO_BF16), model)
+    plan = plan_for(compile_cfg(**compile), fake_caps(**CPU_NO_BF16), model)
     decision, outcome = plan["compile"], Outcome()
     rc.apply(decision, Setup(model=model, args=None), outcome)
     return decision, outcome
@@ -77,7 +77,7 @@ def fresh_dynamo():
 # --------------------------------------------------------------------------------------------- decide
 class TestDecide:
     def test_auto_is_on_for_cuda_with_triton(self):
-        d = build_plan(get_preset("auto"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
+        d = plan_for(get_preset("auto"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
         assert d.applied == "blocks:inductor"
         assert isinstance(d.settings, rc.Settings)
         assert dataclasses.asdict(d.settings) == {"backend": "inductor", "mode": None, "dynamic": None, "fullgraph": False,
@@ -86,42 +86,42 @@ class TestDecide:
         assert "4 x LlamaDecoderLayer compiled in place" in d.reason
 
     def test_auto_is_off_on_cpu_and_points_to_fast(self):
-        d = build_plan(get_preset("auto"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        d = plan_for(get_preset("auto"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
         assert d.applied == "off" and not d.active
         assert "auto: off on cpu" in d.reason and "preset 'fast'" in d.reason
 
     def test_explicit_true_compiles_on_cpu(self):
-        d = build_plan(compile_cfg(backend="inductor", mode="max-autotune", regions="blocks+head"),
+        d = plan_for(compile_cfg(backend="inductor", mode="max-autotune", regions="blocks+head"),
                        fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
         assert d.applied == "blocks+head:inductor"
         assert d.settings.mode == "max-autotune" and d.settings.regions == "blocks+head"
         assert "final norm, lm_head and loss" in d.reason
 
     def test_disabled(self):
-        d = build_plan(get_preset("baseline"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
+        d = plan_for(get_preset("baseline"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
         assert d.applied == "off" and d.reason == "compile.enabled = false"
 
     def test_no_compiler_falls_back_with_reason(self):
         caps = fake_caps(**{**CPU_NO_BF16, "compile": False,
                             "compile_reason": "inductor on CPU needs a C++ compiler (gcc/clang); none on PATH"})
-        d = build_plan(compile_cfg(), caps, TINY_INFO)["compile"]
+        d = plan_for(compile_cfg(), caps, TINY_INFO)["compile"]
         assert d.applied == "off"
         assert "needs a C++ compiler" in d.reason
         assert d.fallbacks and d.fallbacks[0].startswith("compile: torch.compile is not usable here")
 
     def test_no_block_class_is_off_with_reason(self):
         info = ModelInfo(architecture="Odd", block_class=None, num_blocks=0)
-        d = build_plan(compile_cfg(), fake_caps(**CUDA_H100), info)["compile"]
+        d = plan_for(compile_cfg(), fake_caps(**CUDA_H100), info)["compile"]
         assert d.applied == "off"
         assert "no repeated decoder block found" in d.reason
 
     def test_cudagraphs_backend_needs_cuda(self):
-        d = build_plan(compile_cfg(backend="cudagraphs"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        d = plan_for(compile_cfg(backend="cudagraphs"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
         assert d.applied == "off" and "needs a CUDA device" in d.reason
 
     def test_users_whole_model_torch_compile_is_left_alone(self, make_args):
         args = make_args(torch_compile=True)
-        d = build_plan(compile_cfg(), fake_caps(**CUDA_H100), TINY_INFO, args)["compile"]
+        d = plan_for(compile_cfg(), fake_caps(**CUDA_H100), TINY_INFO, args)["compile"]
         assert d.applied == "off"
         assert "TrainingArguments.torch_compile=True" in d.reason and "compiled twice" in d.reason
         assert rc.training_args(d, args) == {}
@@ -130,27 +130,27 @@ class TestDecide:
         """torch.compile(model) or model.compile(): regional compile inside it would be traced through and
         its guards lost; the caller's compile is kept and the entry says so."""
         outer = torch.compile(tiny_model, backend="eager")
-        d = build_plan(compile_cfg(), fake_caps(**CPU_NO_BF16), outer)["compile"]
+        d = plan_for(compile_cfg(), fake_caps(**CPU_NO_BF16), outer)["compile"]
         assert d.applied == "off" and "already compiled whole" in d.reason
-        assert build_plan(compile_cfg(), fake_caps(**CPU_NO_BF16), tiny_model)["compile"].active
+        assert plan_for(compile_cfg(), fake_caps(**CPU_NO_BF16), tiny_model)["compile"].active
         tiny_model.compile(backend="eager")
-        assert build_plan(compile_cfg(), fake_caps(**CPU_NO_BF16), tiny_model)["compile"].applied == "off"
+        assert plan_for(compile_cfg(), fake_caps(**CPU_NO_BF16), tiny_model)["compile"].applied == "off"
 
     def test_dynamic_shapes_on_cuda_keep_max_autotune_but_not_its_cuda_graphs(self):
         """CUDA graphs with a dynamic sequence dimension are re-recorded for every new length (a growing pool)."""
-        d = build_plan(compile_cfg(backend="inductor", mode="max-autotune", dynamic=True), fake_caps(**CUDA_H100),
+        d = plan_for(compile_cfg(backend="inductor", mode="max-autotune", dynamic=True), fake_caps(**CUDA_H100),
                        TINY_INFO)["compile"]
         assert rc.compile_kwargs_of(d)["mode"] == "max-autotune-no-cudagraphs"
         assert "max-autotune without CUDA graphs" in d.reason
-        static = build_plan(compile_cfg(backend="inductor", mode="max-autotune", dynamic=False),
+        static = plan_for(compile_cfg(backend="inductor", mode="max-autotune", dynamic=False),
                             fake_caps(**CUDA_H100), TINY_INFO)["compile"]
         assert rc.compile_kwargs_of(static)["mode"] == "max-autotune"
 
     def test_static_shapes_without_padding_warns_about_recompiles(self):
-        d = build_plan(compile_cfg(dynamic=False), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
+        d = plan_for(compile_cfg(dynamic=False), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
         assert "each new sequence length recompiles" in d.reason
         cfg = compile_cfg(dynamic=False).replace(data={"pad_to_multiple_of": 64})
-        assert "recompiles" not in build_plan(cfg, fake_caps(**CUDA_H100), TINY_INFO)["compile"].reason
+        assert "recompiles" not in plan_for(cfg, fake_caps(**CUDA_H100), TINY_INFO)["compile"].reason
 
     def test_notes_lora_and_checkpointing_from_earlier_decisions(self, tiny_model):
         from hf_speedup.plan_types import Decision, PlanContext
@@ -194,7 +194,7 @@ class TestApply:
         assert len(rc.guarded_regions(tiny_model)) == 4
 
     def test_off_decision_is_a_no_op(self, tiny_model):
-        d = build_plan(get_preset("baseline"), fake_caps(**CPU_NO_BF16), tiny_model)["compile"]
+        d = plan_for(get_preset("baseline"), fake_caps(**CPU_NO_BF16), tiny_model)["compile"]
         rc.apply(d, Setup(model=tiny_model, args=None), Outcome())
         assert all(b._compiled_call_impl is None for b in tiny_model.model.layers)
 
@@ -406,15 +406,15 @@ class TestVerify:
 # --------------------------------------------------------------------------------------------- CPU GEMMs
 class TestCpuGemm:
     def test_fast_preset_autotunes_gemms_on_cpu_only(self):
-        cpu = build_plan(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        cpu = plan_for(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
         assert cpu.settings.cpu_gemm == "autotune" and "MKL or oneDNN" in cpu.reason
-        cuda = build_plan(get_preset("fast"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
+        cuda = plan_for(get_preset("fast"), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
         assert cuda.settings.cpu_gemm == "default" and "oneDNN" not in cuda.reason
-        default_mode = build_plan(compile_cfg(backend="inductor"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        default_mode = plan_for(compile_cfg(backend="inductor"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
         assert default_mode.settings.cpu_gemm == "default"
 
     def test_compile_kwargs_carry_the_mode_as_options_plus_the_pass(self):
-        d = build_plan(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        d = plan_for(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
         kw = rc.compile_kwargs_of(d)
         assert "mode" not in kw and kw["options"]["max_autotune"] is True
         assert kw["options"]["post_grad_custom_post_pass"] is rc.cpu_gemm_pass()
@@ -442,7 +442,7 @@ class TestCpuGemm:
         import hf_speedup.compat as compat
 
         monkeypatch.setattr(compat, "mkldnn_matmul_precision_api", lambda: None)
-        d = build_plan(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
+        d = plan_for(get_preset("fast"), fake_caps(**CPU_NO_BF16), TINY_INFO)["compile"]
         outcome = Outcome()
         cpu_gemm = rc.settle_cpu_gemm(d, outcome)
         state = FeatureState(d, outcome)

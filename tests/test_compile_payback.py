@@ -7,7 +7,7 @@ import pytest
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset
-from hf_speedup import build_plan as build
+from hf_speedup import plan_for as build
 from hf_speedup.features import compile as rc
 from hf_speedup.features import compile_payback
 from hf_speedup.features.compile_payback import DECLINED
@@ -79,17 +79,17 @@ def test_verdict_arithmetic():
 
 
 def test_fast_defers_on_cpu_and_compiles_from_the_start_where_payback_is_unmeasured_or_ranks_could_disagree(tiny_model):
-    def build_plan(config, caps):
+    def plan_for(config, caps):
         return build(config, caps=caps, model=tiny_model)
 
-    cpu = build_plan("fast", caps=fake_caps(**CPU_NO_BF16))["compile"]
+    cpu = plan_for("fast", caps=fake_caps(**CPU_NO_BF16))["compile"]
     assert cpu.settings.when == "pays_back"
     assert "the first steps run eager and are timed" in cpu.reason and "~20 s" in cpu.reason
-    cuda = build_plan("fast", caps=fake_caps(**CUDA_H100))["compile"]
+    cuda = plan_for("fast", caps=fake_caps(**CUDA_H100))["compile"]
     assert cuda.settings.when == "always" and "not measured on cuda yet" in cuda.reason
-    two = build_plan("fast", caps=fake_caps(**CPU_NO_BF16, world_size=2))["compile"]
+    two = plan_for("fast", caps=fake_caps(**CPU_NO_BF16, world_size=2))["compile"]
     assert two.settings.when == "always" and "on all 2 processes" in two.reason
-    explicit = build_plan(get_preset("fast").replace(compile={"when": "always"}), caps=fake_caps(**CPU_NO_BF16))
+    explicit = plan_for(get_preset("fast").replace(compile={"when": "always"}), caps=fake_caps(**CPU_NO_BF16))
     assert explicit["compile"].settings.when == "always" and "pays_back" not in explicit["compile"].reason
 
 

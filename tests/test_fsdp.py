@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_speedup import build_plan, get_preset
+from hf_speedup import plan_for, get_preset
 from hf_speedup.config import SpeedupConfigError
 from hf_speedup.features import Setup, fsdp
 from hf_speedup.features.fsdp import Mesh, MixedPrecision
@@ -41,13 +41,13 @@ def fsdp_cfg(**fs):
 
 # ------------------------------------------------------------------------------------------ off / not possible
 def test_off_unless_requested():
-    d = build_plan("auto", fake_caps(**CPU2))["fsdp"]
+    d = plan_for("auto", fake_caps(**CPU2))["fsdp"]
     assert (d.applied, d.active) == ("off", False)
     assert d.reason == "not requested (fsdp.enabled: false)"
 
 
 def test_one_cpu_process_has_nothing_to_shard():
-    d = build_plan("fsdp", fake_caps(device_type="cpu"))["fsdp"]
+    d = plan_for("fsdp", fake_caps(device_type="cpu"))["fsdp"]
     assert d.applied == "off"
     assert "world size 1: FSDP on one CPU process has nothing to shard across" in d.reason
     assert "torchrun --nproc_per_node 2" in d.reason
@@ -55,22 +55,22 @@ def test_one_cpu_process_has_nothing_to_shard():
 
 
 def test_one_gpu_needs_a_distributed_launch(monkeypatch):
-    d = build_plan("fsdp", fake_caps(**CUDA_H100))["fsdp"]
+    d = plan_for("fsdp", fake_caps(**CUDA_H100))["fsdp"]
     assert d.applied == "off" and "torchrun --nproc_per_node 1" in d.reason
     launched(monkeypatch)
-    d = build_plan("fsdp", fake_caps(**CUDA_H100))["fsdp"]  # world size 1 under torchrun: legit (NCCL check)
+    d = plan_for("fsdp", fake_caps(**CUDA_H100))["fsdp"]  # world size 1 under torchrun: legit (NCCL check)
     assert (d.applied, d.settings.backend) == ("fsdp2", "accelerate")
 
 
 def test_mps_is_refused_with_the_reason():
-    d = build_plan("fsdp", fake_caps(device_type="mps", world_size=2))["fsdp"]
+    d = plan_for("fsdp", fake_caps(device_type="mps", world_size=2))["fsdp"]
     assert d.applied == "off" and "FSDP is not supported on mps" in d.reason
 
 
 def test_the_cpu_trap_is_reported_not_hidden(make_args):
     """TrainingArguments.fsdp on CPU trains with DDP (accelerate enables FSDP only on accelerators)."""
     args = make_args(fsdp=True, fsdp_config={"version": 2})
-    d = build_plan("auto", fake_caps(**CPU2), args=args)["fsdp"]
+    d = plan_for("auto", fake_caps(**CPU2), args=args)["fsdp"]
     assert d.applied == "off"
     assert "does NOT shard on CPU" in d.reason and "plain DDP" in d.reason and "speedup='fsdp'" in d.reason
     assert d.fallbacks
@@ -80,13 +80,13 @@ def test_8bit_base_cannot_be_sharded(monkeypatch):
     launched(monkeypatch)
     cfg = get_preset("fsdp").replace(lora={"enabled": True, "quantization": "8bit"})
     with pytest.raises(SpeedupConfigError, match=r"FSDP cannot shard Int8 weights.*fix: set lora.quantization: '4bit'"):
-        build_plan(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))
-    build_plan(cfg, fake_caps(**CPU2))  # on CPU the lora feature already fell back to plain LoRA: nothing to refuse
+        plan_for(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))
+    plan_for(cfg, fake_caps(**CPU2))  # on CPU the lora feature already fell back to plain LoRA: nothing to refuse
 
 
 # ------------------------------------------------------------------------------------------ CPU: hf_speedup backend
 def test_cpu_processes_are_sharded_by_hf_speedup(tiny_model):
-    d = build_plan("fsdp", fake_caps(**CPU2), tiny_model)["fsdp"]
+    d = plan_for("fsdp", fake_caps(**CPU2), tiny_model)["fsdp"]
     st = d.settings
     assert (d.applied, st.backend, st.version, st.strategy) == ("fsdp2", "hf_speedup", 2, "full_shard")
     assert st.reshard_after_forward is True
@@ -98,7 +98,7 @@ def test_cpu_processes_are_sharded_by_hf_speedup(tiny_model):
 
 
 def test_fsdp1_on_cpu_becomes_fsdp2_and_says_so():
-    d = build_plan(fsdp_cfg(version=1), fake_caps(**CPU2))["fsdp"]
+    d = plan_for(fsdp_cfg(version=1), fake_caps(**CPU2))["fsdp"]
     assert d.settings.version == 2
     assert any("fsdp.version 1 -> 2" in f for f in d.fallbacks)
 
@@ -111,7 +111,7 @@ def test_fsdp1_on_cpu_becomes_fsdp2_and_says_so():
 ])
 def test_strategies_map_to_fsdp2(strategy, reshard, mesh, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    d = build_plan(fsdp_cfg(strategy=strategy), fake_caps(device_type="cpu", world_size=4))["fsdp"]
+    d = plan_for(fsdp_cfg(strategy=strategy), fake_caps(device_type="cpu", world_size=4))["fsdp"]
     assert d.settings.reshard_after_forward is reshard
     assert d.settings.mesh.shape == tuple(mesh)
     spec = ShardSpec.from_settings(d.settings)
@@ -121,11 +121,11 @@ def test_strategies_map_to_fsdp2(strategy, reshard, mesh, monkeypatch):
 def test_hybrid_needs_equal_processes_per_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(SpeedupConfigError, match=r"'hybrid_shard' needs the world size \(3\) to be a multiple"):
-        build_plan(fsdp_cfg(strategy="hybrid_shard"), fake_caps(device_type="cpu", world_size=3))
+        plan_for(fsdp_cfg(strategy="hybrid_shard"), fake_caps(device_type="cpu", world_size=3))
 
 
 def test_hybrid_on_one_node_is_a_full_shard_and_says_so(monkeypatch):
-    d = build_plan(fsdp_cfg(strategy="hybrid_shard"), fake_caps(**CPU2))["fsdp"]
+    d = plan_for(fsdp_cfg(strategy="hybrid_shard"), fake_caps(**CPU2))["fsdp"]
     assert d.settings.mesh.shape == (1, 2)
     assert any("hybrid_shard on one node = full_shard" in f for f in d.fallbacks)
 
@@ -136,18 +136,18 @@ def test_launcher_hsdp_topology_is_respected(monkeypatch):
                  "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
                  "PARALLELISM_CONFIG_DP_SHARD_SIZE": "8"}.items():
         monkeypatch.setenv(k, v)
-    d = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 16}))["fsdp"]
+    d = plan_for("fsdp", fake_caps(**{**CUDA_H100, "world_size": 16}))["fsdp"]
     assert d.settings.strategy == "hybrid_shard"
     assert d.settings.parallelism == (2, 8)  # (dp_replicate_size, dp_shard_size)
     assert any("full_shard -> hybrid_shard" in f for f in d.fallbacks)
     assert "it differs: fsdp_offload_params=true (preset: false)" in d.reason
     monkeypatch.setenv("PARALLELISM_CONFIG_DP_SHARD_SIZE", "4")
     with pytest.raises(SpeedupConfigError, match=r"dp_replicate_size=2 x dp_shard_size=4, but 16 processes run"):
-        build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 16}))
+        plan_for("fsdp", fake_caps(**{**CUDA_H100, "world_size": 16}))
 
 
 def test_cpu_offload_on_cpu_is_honest():
-    d = build_plan("fsdp-offload", fake_caps(**CPU2))["fsdp"]
+    d = plan_for("fsdp-offload", fake_caps(**CPU2))["fsdp"]
     assert d.settings.cpu_offload is True
     assert "parameters already live in host memory" in d.reason
 
@@ -162,7 +162,7 @@ def test_cuda_uses_accelerate_through_training_arguments(monkeypatch, tiny_model
 
     args = make_args(use_cpu=False)  # (use_cpu=True would mean: the CPU path, whatever the machine has)
     launched(monkeypatch)
-    plan = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 8}), tiny_model, args)
+    plan = plan_for("fsdp", fake_caps(**{**CUDA_H100, "world_size": 8}), tiny_model, args)
     d = plan["fsdp"]
     assert d.settings.backend == "accelerate"
     assert d.settings.mixed_precision == MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -189,13 +189,13 @@ def test_cuda_uses_accelerate_through_training_arguments(monkeypatch, tiny_model
 
 def test_fp16_gpu_gets_an_fp16_policy(monkeypatch):
     launched(monkeypatch)
-    d = build_plan("fsdp", fake_caps(**{**CUDA_V100, "world_size": 2}))["fsdp"]
+    d = plan_for("fsdp", fake_caps(**{**CUDA_V100, "world_size": 2}))["fsdp"]
     assert d.settings.mixed_precision == MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
 
 
 def test_no_shard_through_accelerate_falls_back_to_fsdp1(monkeypatch, make_args):
     launched(monkeypatch)
-    d = build_plan(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
+    d = plan_for(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
     assert d.applied == "fsdp1"
     assert any("FSDP2 has no NO_SHARD" in f for f in d.fallbacks)
     cfg = fsdp.training_args(d, None)["fsdp_config"]
@@ -209,7 +209,7 @@ def test_no_shard_through_accelerate_falls_back_to_fsdp1(monkeypatch, make_args)
 
 def test_hybrid_through_accelerate_is_hsdp_via_parallelism_config(monkeypatch):
     launched(monkeypatch, local_world=8)
-    d = build_plan(fsdp_cfg(strategy="hybrid_shard"), fake_caps(**{**CUDA_H100, "world_size": 16}))["fsdp"]
+    d = plan_for(fsdp_cfg(strategy="hybrid_shard"), fake_caps(**{**CUDA_H100, "world_size": 16}))["fsdp"]
     pc = fsdp.training_args(d, None)["parallelism_config"]
     assert (pc.dp_replicate_size, pc.dp_shard_size) == (2, 8)
 
@@ -218,12 +218,12 @@ def test_hybrid_through_accelerate_is_hsdp_via_parallelism_config(monkeypatch):
 def test_activation_checkpointing_is_done_once(monkeypatch):
     cfg = get_preset("fsdp").replace(checkpointing={"enabled": True})
     launched(monkeypatch)
-    plan = build_plan(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))
+    plan = plan_for(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))
     assert plan["fsdp"].settings.activation_checkpointing is True  # FSDP's own, through fsdp_config
     assert fsdp.training_args(plan["fsdp"], None)["fsdp_config"]["activation_checkpointing"] is True
     assert plan["checkpointing"].settings.by == "fsdp"  # ... so the checkpointing feature stays out
     monkeypatch.delenv("LOCAL_RANK")
-    plan = build_plan(cfg, fake_caps(**CPU2))  # CPU: the checkpointing feature does it, before sharding
+    plan = plan_for(cfg, fake_caps(**CPU2))  # CPU: the checkpointing feature does it, before sharding
     assert plan["fsdp"].settings.activation_checkpointing is False
     assert plan["fsdp"].settings.activation_checkpointing_by == "checkpointing"
     assert plan["checkpointing"].settings.by == "hf_speedup"
@@ -232,17 +232,17 @@ def test_activation_checkpointing_is_done_once(monkeypatch):
 def test_selective_checkpointing_stays_with_the_checkpointing_feature(monkeypatch):
     launched(monkeypatch)
     cfg = get_preset("fsdp").replace(checkpointing={"enabled": True, "every_n_blocks": 2})
-    d = build_plan(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
+    d = plan_for(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
     assert d.settings.activation_checkpointing is False
     assert "every_n_blocks > 1 is not expressible in fsdp_config" in d.reason
 
 
 def test_qlora_under_fsdp_publishes_the_storage_dtype(monkeypatch):
     launched(monkeypatch)
-    plan = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 2}))
+    plan = plan_for("fsdp", fake_caps(**{**CUDA_H100, "world_size": 2}))
     assert plan["fsdp"].settings.qlora_quant_storage is None
     cfg = get_preset("fsdp").replace(lora={"enabled": True, "quantization": "4bit"})
-    d = build_plan(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
+    d = plan_for(cfg, fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
     assert d.settings.qlora_quant_storage is torch.bfloat16
     assert d.settings.lora is True and d.settings.cpu_ram_efficient_loading is True
     assert "FSDP_CPU_RAM_EFFICIENT_LOADING=true before from_pretrained" in d.reason
@@ -253,7 +253,7 @@ def test_uint8_4bit_storage_is_refused_with_the_fix(tiny_model):
         pass
 
     tiny_model.model.layers[0].mlp.up_proj.weight = Params4bit(torch.zeros(8, dtype=torch.uint8), requires_grad=False)
-    d = build_plan("fsdp", fake_caps(**CPU2), tiny_model)["fsdp"]
+    d = plan_for("fsdp", fake_caps(**CPU2), tiny_model)["fsdp"]
     with pytest.raises(SpeedupConfigError, match=r"stored as uint8.*bnb_4bit_quant_storage=torch\.bfloat16"):
         fsdp.apply(d, Setup(model=tiny_model, args=None), Outcome())
 
@@ -264,7 +264,7 @@ def test_verify_refuses_an_unsharded_model(tiny_model):
         model = tiny_model
         model_wrapped = tiny_model
 
-    d = build_plan("fsdp", fake_caps(**CPU2), tiny_model)["fsdp"]
+    d = plan_for("fsdp", fake_caps(**CPU2), tiny_model)["fsdp"]
     assert fsdp.verify(d, FakeTrainer(), Outcome()) == (False, "NOT sharded: no parameter is a DTensor")
 
     class DistributedDataParallel(torch.nn.Module):  # what the stock Trainer wraps the model in
@@ -307,11 +307,11 @@ def test_launcher_hsdp_conflicts_with_no_shard(monkeypatch):
                  "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"}.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SpeedupConfigError, match=r"'no_shard' conflicts with the accelerate launch config's HSDP"):
-        build_plan(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))
+        plan_for(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))
 
 
 def test_use_cpu_on_a_gpu_machine_takes_the_cpu_path(make_args):
-    d = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 2}), args=make_args(use_cpu=True))["fsdp"]
+    d = plan_for("fsdp", fake_caps(**{**CUDA_H100, "world_size": 2}), args=make_args(use_cpu=True))["fsdp"]
     assert d.settings.backend == "hf_speedup"
 
 
@@ -375,7 +375,7 @@ def test_fsdp1_no_shard_reaches_the_live_model(monkeypatch, make_args, tiny_mode
     from torch.distributed.fsdp import ShardingStrategy
 
     launched(monkeypatch)
-    plan = build_plan(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))
+    plan = plan_for(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))
     d = plan["fsdp"]
     # the launcher exports FSDP_SHARDING_STRATEGY=FULL_SHARD unless the YAML says otherwise
     plugin = _plugin(monkeypatch, make_args, d, plan, FSDP_SHARDING_STRATEGY="FULL_SHARD", FSDP_VERSION="1")
@@ -397,7 +397,7 @@ def test_verify_catches_no_shard_that_runs_sharded(tiny_model, fake_world_of_two
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     launched(monkeypatch)
-    d = build_plan(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
+    d = plan_for(fsdp_cfg(strategy="no_shard"), fake_caps(**{**CUDA_H100, "world_size": 2}))["fsdp"]
     monkeypatch.delenv("LOCAL_RANK")
 
     class FakeTrainer:  # what accelerate did before: FULL_SHARD from the launch environment
@@ -414,7 +414,7 @@ def test_launch_yaml_offload_does_not_override_the_preset(monkeypatch, make_args
     launched(monkeypatch)
     for k, v in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true"}.items():
         monkeypatch.setenv(k, v)  # configs/accelerate/fsdp2_offload.yaml under accelerate launch
-    plan = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 8}), tiny_model)
+    plan = plan_for("fsdp", fake_caps(**{**CUDA_H100, "world_size": 8}), tiny_model)
     d = plan["fsdp"]
     assert d.settings.cpu_offload is False and "fsdp_offload_params=true (preset: false)" in d.reason
     plugin = _plugin(monkeypatch, make_args, d, plan)
@@ -444,7 +444,7 @@ def test_every_block_class_of_a_vision_language_model_is_wrapped(monkeypatch, ma
         vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2))
     model = Qwen2VLForConditionalGeneration(cfg)
     launched(monkeypatch)
-    plan = build_plan("fsdp", fake_caps(**{**CUDA_H100, "world_size": 2}), model)
+    plan = plan_for("fsdp", fake_caps(**{**CUDA_H100, "world_size": 2}), model)
     d = plan["fsdp"]
     want = ["Qwen2VLVisionBlock", "Qwen2VLDecoderLayer"]
     assert fsdp.training_args(d, None)["fsdp_config"]["transformer_layer_cls_to_wrap"] == want
@@ -485,7 +485,7 @@ def test_an_fsdp_launch_config_shards_a_non_fsdp_preset_and_the_report_says_so(m
     launched(monkeypatch)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # accelerate launch with an FSDP2 YAML
     monkeypatch.setenv("FSDP_VERSION", "2")
-    d = build_plan("lora", fake_caps(**{**CUDA_H100, "world_size": 2}), tiny_model)["fsdp"]
+    d = plan_for("lora", fake_caps(**{**CUDA_H100, "world_size": 2}), tiny_model)["fsdp"]
     assert d.active and d.applied == "fsdp2 (launch config)" and d.requested is False
     assert "the accelerate launch config enables FSDP2 (ACCELERATE_USE_FSDP): accelerate shards the model" in d.reason
     assert fsdp.training_args(d, None) == {}  # hf_speedup adds nothing: the launch file's settings apply
@@ -498,5 +498,5 @@ def test_an_fsdp_launch_config_shards_a_non_fsdp_preset_and_the_report_says_so(m
     engaged, reason = fsdp.verify(d, FakeTrainer(), Outcome())
     assert engaged and reason.startswith("accelerate's FSDP from the launch config, not the preset: FSDP2 full_shard")
 
-    cpu = build_plan("lora", fake_caps(**CPU2))["fsdp"]  # accelerate enables no FSDP on CPU: DDP, said so
+    cpu = plan_for("lora", fake_caps(**CPU2))["fsdp"]  # accelerate enables no FSDP on CPU: DDP, said so
     assert not cpu.active and "accelerate enables FSDP only on accelerators" in cpu.reason

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fake_gpu import H100_NAME, FirstCudaCall
-from hf_speedup import SpeedupTrainer, build_plan
+from hf_speedup import SpeedupTrainer, plan_for
 from hf_speedup.hardware import probe
 
 PRESETS = ("auto", "fast", "memory", "qlora")
@@ -80,7 +80,7 @@ def test_another_accelerator_is_planned_for_as_itself_conservatively(device, tin
     caps = probe(SimpleNamespace(use_cpu=False, device=torch.device(device)))
     assert (caps.device_type, caps.device, caps.device_reason) == (device, device, f"TrainingArguments.device={device}")
     assert not (caps.bf16 or caps.tf32 or caps.bitsandbytes or caps.compile)
-    plan = build_plan("fast", caps, tiny_model)
+    plan = plan_for("fast", caps, tiny_model)
     assert plan["precision"].applied == "fp32" and f"tf32: n/a on {device}" in plan["precision"].reason
     assert plan["compile"].applied == "off" and plan["liger"].applied == "off"
     assert plan["optimizer"].applied == ("adamw_fused" if device == "mps" else "adamw")
@@ -93,13 +93,13 @@ def test_use_cpu_on_a_gpu_host_plans_exactly_as_on_a_cpu_host(preset, tiny_model
     from fake_gpu import GpuHost, clear_device_caches
 
     args = make_args(use_cpu=True)
-    on_cpu_host = build_plan(preset, probe(args), tiny_model, args)
+    on_cpu_host = plan_for(preset, probe(args), tiny_model, args)
     with pytest.MonkeyPatch.context() as mp:
         clear_device_caches()
         GpuHost().install(mp)
         args = make_args(use_cpu=True)
-        on_gpu_host = build_plan(preset, probe(args), tiny_model, args)
-        assert build_plan(preset, None, tiny_model, args).caps == on_gpu_host.caps  # build_plan probes the same
+        on_gpu_host = plan_for(preset, probe(args), tiny_model, args)
+        assert plan_for(preset, None, tiny_model, args).caps == on_gpu_host.caps  # the door probes the same
     clear_device_caches()
     assert on_gpu_host.caps == on_cpu_host.caps
     assert _decisions(on_gpu_host) == _decisions(on_cpu_host)
@@ -120,6 +120,29 @@ def test_a_trainer_told_use_cpu_on_a_gpu_host_trains_on_the_cpu_without_touching
     assert (report["environment"]["device"], report["environment"]["device_reason"]) == (
         "cpu", "TrainingArguments.use_cpu=True")
     assert f"on {caps.device_name} (cpu)" in trainer.speedup_report.table()
+    assert gpu_host.events == []  # CUDA never initialised
+
+
+def test_a_model_id_told_use_cpu_on_a_gpu_host_is_loaded_for_the_cpu(gpu_host, monkeypatch, tmp_path, dataset,
+                                                                     collator, make_args):
+    """The trainer probes once and plans the load and the training for the same device: ``qlora`` with
+    ``use_cpu=True`` on a host with an H100 loads the model id plain (no bitsandbytes config, no device map for a
+    GPU), as the CPU training plan wants it (a load planned for the host's GPU would quantize it for CUDA)."""
+    import hf_speedup.loading as loading
+    from hf_speedup.tiny import tiny_llama
+
+    tiny_llama(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2).save_pretrained(tmp_path / "model")
+    loads = []
+    real = loading.load_kwargs
+    monkeypatch.setattr(loading, "load_kwargs", lambda *a, **kw: loads.append((a[1], real(*a, **kw))) or loads[-1][1])
+    trainer = SpeedupTrainer(model=str(tmp_path / "model"), args=make_args(use_cpu=True, max_steps=1),
+                             train_dataset=dataset, data_collator=collator, speedup="qlora")
+    (load_plan, (_, kwargs)), = loads
+    assert load_plan.caps == trainer.speedup_plan.caps and load_plan.caps.device_type == "cpu"
+    assert "quantization_config" not in kwargs and "device_map" not in kwargs
+    assert load_plan["lora"].settings.quantization is None  # qlora -> lora: no bitsandbytes for the CPU
+    assert trainer.speedup_plan["lora"].applied == "lora"
     assert gpu_host.events == []  # CUDA never initialised
 
 
@@ -173,7 +196,7 @@ def test_a_gpu_host_plans_and_applies_as_on_an_h100_up_to_the_first_cuda_call(
     if preset == "qlora":  # the base is quantized while it loads (load_model); one passed in plain trains LoRA
         from hf_speedup.loading import load_kwargs
 
-        _, load = load_kwargs("base", build_plan("qlora", probe(), None, None))
+        _, load = load_kwargs("base", plan_for("qlora", probe(), None, None))
         quant = load["quantization_config"]
         assert quant.load_in_4bit and quant.bnb_4bit_compute_dtype == torch.bfloat16 == load["dtype"]
         assert plan["lora"].applied == "lora" and plan["lora"].fallbacks[0].startswith("qlora -> lora: the model")

@@ -18,7 +18,7 @@ from transformers import TrainerCallback
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 from hf_speedup.callback_handler import all_callbacks
-from hf_speedup import SpeedupConfigError, SpeedupTrainer, build_plan, get_preset, list_presets
+from hf_speedup import SpeedupConfigError, SpeedupTrainer, plan_for, get_preset, list_presets
 from hf_speedup.features import interrupt
 from hf_speedup.features.interrupt import InterruptCallback, TrainingInterrupted
 from hf_speedup.report.carry import STATE_FILE
@@ -81,7 +81,7 @@ def own_handlers():
 def test_every_preset_but_baseline_handles_the_three_signals(tiny_model):
     for name in list_presets():
         for caps in (fake_caps(**CPU_NO_BF16), fake_caps(**CUDA_H100, world_size=2)):
-            d = build_plan(name, caps, tiny_model)["interrupt"]
+            d = plan_for(name, caps, tiny_model)["interrupt"]
             if name == "baseline":
                 assert not d.active and "default action" in d.reason
                 continue
@@ -388,6 +388,6 @@ def test_enable_jit_checkpoint_with_several_processes_is_a_reported_fallback(tin
     from transformers import TrainingArguments
 
     args = TrainingArguments(output_dir=str(tmp_path), enable_jit_checkpoint=True, use_cpu=True, report_to=[])
-    d = build_plan("auto", fake_caps(**CUDA_H100, world_size=2), tiny_model, args)["interrupt"]
+    d = plan_for("auto", fake_caps(**CUDA_H100, world_size=2), tiny_model, args)["interrupt"]
     assert d.settings.signals == ("SIGINT", "SIGUSR1")
     assert any("not agreed across ranks" in f and "fix: enable_jit_checkpoint=False" in f for f in d.fallbacks)

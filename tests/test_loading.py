@@ -10,14 +10,14 @@ import torch
 from conftest import CPU_NO_BF16, CUDA_H100, CUDA_V100, fake_caps
 from gguf_fixture import save_gguf
 
-from hf_speedup import SpeedupConfigError, build_plan, get_preset
+from hf_speedup import SpeedupConfigError, plan_for, get_preset
 from hf_speedup.loading import bnb_config, load_kwargs, load_model, split_gguf
 from hf_speedup.model_info import describe_model
 from hf_speedup.plan_types import Plan
 
 
 def plan(cfg, caps=CPU_NO_BF16, **caps_kw):
-    return build_plan(cfg, caps=fake_caps(**{**caps, **caps_kw}), model=None)
+    return plan_for(cfg, caps=fake_caps(**{**caps, **caps_kw}), model=None)
 
 
 def qlora(**kw):

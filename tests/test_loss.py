@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import CPU_NO_BF16, CUDA_H100, assert_same_in_dtype, fake_caps
-from hf_speedup import SpeedupConfigError, SpeedupConfig, build_plan
+from hf_speedup import SpeedupConfigError, SpeedupConfig, plan_for
 from hf_speedup.features import loss as loss_feature
 from hf_speedup.features.chunked_cross_entropy import (chunked_causal_lm_loss, install, installed_state, uninstall,
                                                        unsupported_reason)
@@ -211,13 +211,13 @@ def plan_ctx(caps=CPU_NO_BF16, **decisions) -> PlanContext:
 
 
 def test_decide_on_off_auto_and_why_not_liger_on_cpu(tiny_model):
-    plan = build_plan({"base": "baseline", "loss": {"chunked": True, "chunk_tokens": 256}},
+    plan = plan_for({"base": "baseline", "loss": {"chunked": True, "chunk_tokens": 256}},
                       fake_caps(**CPU_NO_BF16), tiny_model)
     d = plan["loss"]
     assert d.active and d.settings.chunked and d.settings.chunk_tokens == 256
     assert d.reason.endswith("Liger's fused linear cross-entropy not used: off in the config")
-    assert not build_plan("auto", fake_caps(**CPU_NO_BF16), tiny_model)["loss"].active  # auto: the budget decides
-    memory = build_plan("memory", fake_caps(**CPU_NO_BF16), tiny_model)
+    assert not plan_for("auto", fake_caps(**CPU_NO_BF16), tiny_model)["loss"].active  # auto: the budget decides
+    memory = plan_for("memory", fake_caps(**CPU_NO_BF16), tiny_model)
     assert memory["loss"].settings.chunked and not memory["liger"].active
     assert memory["loss"].reason.endswith(f"Liger's fused linear cross-entropy not used: {memory['liger'].reason}")
     assert "CUDA" in memory["liger"].reason  # why not on this CPU
@@ -352,7 +352,7 @@ def test_a_probe_that_fails_is_not_taken_for_success(monkeypatch):
     from hf_speedup.plan_types import Outcome
 
     model = small_llama()
-    decision = build_plan("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
+    decision = plan_for("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
     assert decision.settings.chunked
     install(model, decision.settings.chunk_tokens)
 
@@ -388,7 +388,7 @@ def test_steps_that_bypass_the_chunked_loss_are_caught_and_a_resume_is_not_taken
     from hf_speedup.plan_types import Outcome
 
     model = small_llama()
-    decision = build_plan("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
+    decision = plan_for("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
     install(model, decision.settings.chunk_tokens)
     outcome = Outcome()
     trainer = SimpleNamespace(model=model, state=SimpleNamespace(global_step=0), args=SimpleNamespace(world_size=1),
@@ -438,7 +438,7 @@ def test_planned_only_for_a_causal_lm_head(head):
     config = (transformers.BertConfig(**sizes) if head.startswith("Bert") else
               transformers.LlamaConfig(**sizes, num_labels=3, pad_token_id=0))
     model = getattr(transformers, head)(config)
-    d = build_plan("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
+    d = plan_for("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
     assert d.applied == "off" and d.fallbacks == ()
     kind = "a masked-LM head" if head.startswith("Bert") else "a sequence-classification head"
     assert d.reason == (f"not applicable: {head} has {kind}; the chunked loss replaces a causal LM's lm_head and "

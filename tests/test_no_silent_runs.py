@@ -19,7 +19,7 @@ import torch
 from transformers import TrainerCallback
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
-from hf_speedup import SpeedupTrainer, build_plan, training_arguments
+from hf_speedup import SpeedupTrainer, plan_for, training_arguments
 from hf_speedup.blocks import block_class_names, find_blocks
 from hf_speedup.features import data
 from hf_speedup.model_info import describe_model
@@ -142,7 +142,7 @@ def test_bert_embeddings_are_not_a_repeated_block():
     bert = tiny_bert()
     assert block_class_names(bert) == ["BertLayer"]
     assert find_blocks(bert) == list(bert.bert.encoder.layer)
-    plan = build_plan("memory", caps=fake_caps(**CPU_NO_BF16), model=bert)
+    plan = plan_for("memory", caps=fake_caps(**CPU_NO_BF16), model=bert)
     assert plan.model.block_class == "BertLayer" and plan.model.num_blocks == 2
 
 
@@ -224,7 +224,7 @@ def test_the_presets_drop_last_never_reaches_the_arguments_evaluation_reads(make
 def test_explicit_pin_memory_false_wins_over_the_preset_on_cuda(make_args):
     # differs from the default: an explicit choice (use_cpu would turn pinning off itself, whoever asked)
     args = make_args(dataloader_pin_memory=False, use_cpu=False)
-    d = build_plan("auto", caps=fake_caps(**CUDA_H100), args=args)["data"]
+    d = plan_for("auto", caps=fake_caps(**CUDA_H100), args=args)["data"]
     assert "dataloader_pin_memory" not in data.training_args(d, args)
     assert "pin_memory: kept your TrainingArguments.dataloader_pin_memory=False" in d.reason
 
@@ -277,9 +277,9 @@ def test_launcher_bf16_is_kept_by_auto_and_by_baseline(monkeypatch, make_args):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     args = make_args()  # TrainingArguments read the variable too: mixed_precision='bf16'
     assert args.mixed_precision == "bf16"
-    auto = build_plan("auto", caps=fake_caps(**CPU_NO_BF16), args=args)["precision"]
+    auto = plan_for("auto", caps=fake_caps(**CPU_NO_BF16), args=args)["precision"]
     assert auto.applied == "bf16" and "auto keeps the launcher's mixed_precision=bf16" in auto.reason
-    base = build_plan("baseline", caps=fake_caps(**CPU_NO_BF16), args=args)["precision"]
+    base = plan_for("baseline", caps=fake_caps(**CPU_NO_BF16), args=args)["precision"]
     assert base.applied == "bf16"  # what the stock Trainer runs under that launcher: verify expects it
 
 

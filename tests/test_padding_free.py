@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import CPU_NO_BF16, fake_caps
-from hf_speedup import SpeedupTrainer, build_plan, get_preset
+from hf_speedup import SpeedupTrainer, plan_for, get_preset
 from hf_speedup.features import data, padding_free as pf
 
 LENGTHS = [5, 17, 3, 29, 11, 8]
@@ -79,7 +79,7 @@ def test_sliding_window_models_get_a_kernel_that_keeps_the_window(collator, make
                                              num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
                                              pad_token_id=0, attn_implementation="sdpa")).eval()
     model.config.use_cache = False
-    d = build_plan("auto", caps=fake_caps(**CPU_NO_BF16), model=model, args=make_args())["attention"]
+    d = plan_for("auto", caps=fake_caps(**CPU_NO_BF16), model=model, args=make_args())["attention"]
     assert d.settings.implementation == "sdpa", d.reason
     assert "sdpa_varlen: MistralForCausalLM attends within a sliding window of 4 tokens" in d.reason
 
@@ -187,9 +187,9 @@ def test_collators_that_cannot_be_flattened_say_why(tokenizer):
 def test_auto_and_fast_plan_padding_free_and_baseline_does_not(tiny_model, make_args):
     args = make_args(per_device_train_batch_size=8)
     for preset in ("auto", "fast"):
-        d = build_plan(preset, caps=fake_caps(**CPU_NO_BF16), model=tiny_model, args=args)["data"]
+        d = plan_for(preset, caps=fake_caps(**CPU_NO_BF16), model=tiny_model, args=args)["data"]
         assert d.settings.padding_free and d.settings.padding_free_via == "collator", preset
-    assert not build_plan("baseline", caps=fake_caps(**CPU_NO_BF16), model=tiny_model, args=args)["data"].settings.padding_free
+    assert not plan_for("baseline", caps=fake_caps(**CPU_NO_BF16), model=tiny_model, args=args)["data"].settings.padding_free
 
 
 def test_models_without_packed_sequence_support_keep_padding(make_args):
@@ -197,10 +197,10 @@ def test_models_without_packed_sequence_support_keep_padding(make_args):
 
     info = describe_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     cfg = get_preset("baseline").replace(data={"padding_free": True})
-    d = build_plan(cfg, caps=fake_caps(**CPU_NO_BF16), model=info, args=make_args())["data"]
+    d = plan_for(cfg, caps=fake_caps(**CPU_NO_BF16), model=info, args=make_args())["data"]
     assert not d.settings.padding_free
     assert d.fallbacks[0].startswith("padding_free: Sequential is not a decoder-only model")
-    auto = build_plan(cfg.replace(data={"padding_free": "auto"}), caps=fake_caps(**CPU_NO_BF16), model=info)["data"]
+    auto = plan_for(cfg.replace(data={"padding_free": "auto"}), caps=fake_caps(**CPU_NO_BF16), model=info)["data"]
     assert not auto.settings.padding_free and auto.fallbacks == ()  # auto: a reason, not a fallback
 
 
@@ -217,28 +217,28 @@ def test_encoders_and_non_lm_heads_keep_padding_in_auto(make_args):
              BertForSequenceClassification(bert): "is not a decoder-only model",
              LlamaForSequenceClassification(llama): "has no causal-LM head"}
     for model, why in cases.items():
-        d = build_plan("auto", caps=fake_caps(**CPU_NO_BF16), model=model, args=make_args())["data"]
+        d = plan_for("auto", caps=fake_caps(**CPU_NO_BF16), model=model, args=make_args())["data"]
         assert not d.settings.padding_free and why in d.reason, (type(model).__name__, d.reason)
-    d = build_plan("auto", caps=fake_caps(**CPU_NO_BF16), model=LlamaForCausalLM(llama), args=make_args())["data"]
+    d = plan_for("auto", caps=fake_caps(**CPU_NO_BF16), model=LlamaForCausalLM(llama), args=make_args())["data"]
     assert d.settings.padding_free  # the control: the same body with an LM head packs
 
 
 def test_batch_of_one_has_nothing_to_unpad(tiny_model, make_args):
-    d = build_plan("auto", caps=fake_caps(**CPU_NO_BF16), model=tiny_model,
+    d = plan_for("auto", caps=fake_caps(**CPU_NO_BF16), model=tiny_model,
                    args=make_args(per_device_train_batch_size=1))["data"]
     assert not d.settings.padding_free and "one sequence per batch" in d.reason
 
 
 def test_compile_under_padding_free_has_a_dynamic_sequence_dimension(tiny_model, make_args):
-    plan = build_plan("fast", caps=fake_caps(**CPU_NO_BF16), model=tiny_model, args=make_args())
+    plan = plan_for("fast", caps=fake_caps(**CPU_NO_BF16), model=tiny_model, args=make_args())
     assert get_preset("fast").compile.dynamic is False
     assert plan["compile"].settings.dynamic is True and plan["compile"].settings.cpu_gemm == "default"
     assert "sequence dimension is compiled dynamic (dynamic=False asked)" in plan["compile"].reason
-    padded = build_plan(get_preset("fast").replace(data={"padding_free": False}), caps=fake_caps(**CPU_NO_BF16),
+    padded = plan_for(get_preset("fast").replace(data={"padding_free": False}), caps=fake_caps(**CPU_NO_BF16),
                         model=tiny_model, args=make_args())
     assert padded["compile"].settings.dynamic is False
     trl = pytest.importorskip("trl")  # rows TRL flattens itself (packing) change length every step just the same
-    packed = build_plan(get_preset("fast").replace(data={"padding_free": False}), caps=fake_caps(**CPU_NO_BF16),
+    packed = plan_for(get_preset("fast").replace(data={"padding_free": False}), caps=fake_caps(**CPU_NO_BF16),
                         model=tiny_model, args=trl.SFTConfig(output_dir="unused", packing=True, use_cpu=True,
                                                              bf16=False, report_to=[]))
     assert packed["data"].settings.rows_flattened and packed["compile"].settings.dynamic is True

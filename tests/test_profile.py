@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
-from hf_speedup import SpeedupConfig, SpeedupConfigError, build_plan
+from hf_speedup import SpeedupConfig, SpeedupConfigError, plan_for
 from hf_speedup.features import profile
 from hf_speedup.features.profile import ProfilerCallback, Settings, label_module, labelled_modules
 
@@ -152,9 +152,9 @@ def test_a_memory_snapshot_that_failed_to_dump_says_so(tmp_path, monkeypatch):
 
 def test_decide_snapshot_on_cuda_only():
     cfg = {"base": "baseline", "profile": {"enabled": True}}
-    cuda = build_plan(cfg, fake_caps(**CUDA_H100))["profile"]
+    cuda = plan_for(cfg, fake_caps(**CUDA_H100))["profile"]
     assert cuda.settings.memory_snapshot and not cuda.fallbacks and "CUDA memory snapshot" in cuda.reason
-    cpu = build_plan(cfg, fake_caps(**CPU_NO_BF16))["profile"]
+    cpu = plan_for(cfg, fake_caps(**CPU_NO_BF16))["profile"]
     assert not cpu.settings.memory_snapshot
     assert cpu.fallbacks == (f"memory_snapshot: {profile.SNAPSHOT_CPU_REASON.format(device='cpu')}",)
     assert cpu.applied == "steps 3-4" and cpu.settings.window == (3, 4)
@@ -162,7 +162,7 @@ def test_decide_snapshot_on_cuda_only():
 
 @pytest.mark.parametrize("preset", ["baseline", "auto", "fast", "memory", "lora"])
 def test_off_in_every_preset(preset):
-    assert not build_plan(preset, fake_caps(**CPU_NO_BF16))["profile"].active
+    assert not plan_for(preset, fake_caps(**CPU_NO_BF16))["profile"].active
 
 
 @pytest.mark.parametrize("field, value, message", [

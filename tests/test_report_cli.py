@@ -133,15 +133,15 @@ def test_compare_many_runs_wraps_into_blocks_within_80_columns(run_dir, tmp_path
 def test_tables_fit_80_columns_with_long_reasons_and_names(tiny_model):
     import dataclasses
 
-    from hf_speedup import build_plan
+    from hf_speedup import plan_for
     from hf_speedup.report import Report
     from tests.conftest import CUDA_H100, fake_caps
 
     caps = fake_caps(**{**CUDA_H100, "device_name": "NVIDIA H100 80GB HBM3 with an improbably long marketing name"})
     long = {name: d.replace(reason=("a deliberately long reason " * 12).strip(),
                             requested={"very_long_setting_name": "and a long value", "another": [1, 2, 3]})
-            for name, d in build_plan("auto", caps, tiny_model).decisions.items()}
-    plan = Report(dataclasses.replace(build_plan("auto", caps, tiny_model), decisions=long)).to_dict()
+            for name, d in plan_for("auto", caps, tiny_model).decisions.items()}
+    plan = Report(dataclasses.replace(plan_for("auto", caps, tiny_model), decisions=long)).to_dict()
     text = plan_table(plan)
     _assert_width(text)
     assert all(f in text for f in ("precision", "compile", "optimizer", "fsdp"))

@@ -237,9 +237,9 @@ def test_the_report_file_goes_where_report_path_says(rows, collator, tmp_path):
 
 def test_a_recorded_bf16_false_keeps_fp32_where_auto_would_pick_bf16(tmp_path):
     from conftest import CPU_AMX, fake_caps
-    from hf_speedup import build_plan
+    from hf_speedup import plan_for
 
     args = training_arguments("baseline", output_dir=str(tmp_path), use_cpu=True, bf16=False)
-    d = build_plan("auto", caps=fake_caps(**CPU_AMX), args=args)["precision"]
+    d = plan_for("auto", caps=fake_caps(**CPU_AMX), args=args)["precision"]
     assert d.applied == "fp32" and "auto keeps the TrainingArguments' explicit bf16=False" in d.reason
-    assert build_plan("auto", caps=fake_caps(**CPU_AMX), args=_args(tmp_path))["precision"].applied == "bf16"
+    assert plan_for("auto", caps=fake_caps(**CPU_AMX), args=_args(tmp_path))["precision"].applied == "bf16"

@@ -9,7 +9,7 @@ import pytest
 trl = pytest.importorskip("trl")
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps  # noqa: E402
-from hf_speedup import SpeedupMixin, build_plan, get_preset, sft_config  # noqa: E402
+from hf_speedup import SpeedupMixin, plan_for, get_preset, sft_config  # noqa: E402
 from hf_speedup.features import data, memory  # noqa: E402
 
 
@@ -136,15 +136,15 @@ def test_sft_config_returns_a_stock_sft_config_with_the_presets_fields(caplog):
 
 def test_presets_map_onto_sft_config_fields(tmp_path):
     args = sft_args(tmp_path)
-    cpu = build_plan("fast", caps=fake_caps(**CPU_NO_BF16), args=args)
+    cpu = plan_for("fast", caps=fake_caps(**CPU_NO_BF16), args=args)
     assert data.training_args(cpu["data"], args)["padding_free"] is True
     packing = get_preset("auto").replace(data={"packing": True})
-    assert data.training_args(build_plan(packing, args=args)["data"], args)["packing"] is True
-    cuda = build_plan("memory", caps=fake_caps(**CUDA_H100), args=args)
+    assert data.training_args(plan_for(packing, args=args)["data"], args)["packing"] is True
+    cuda = plan_for("memory", caps=fake_caps(**CUDA_H100), args=args)
     assert memory.training_args(cuda["memory"], args)["activation_offloading"] is True
-    plain = build_plan("memory", caps=fake_caps(**CUDA_H100))
+    plain = plan_for("memory", caps=fake_caps(**CUDA_H100))
     assert "activation_offloading" not in memory.training_args(plain["memory"], None)
-    on_cpu = build_plan("memory", caps=fake_caps(**CPU_NO_BF16), args=args)
+    on_cpu = plan_for("memory", caps=fake_caps(**CPU_NO_BF16), args=args)
     assert "activation_offloading" not in memory.training_args(on_cpu["memory"], args)
 
 

@@ -629,3 +629,13 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
 
 def _recompile_limit() -> int | None:
     return compat.dynamo_recompile_limit()
+
+
+def changes_model(decision: Decision, plan) -> bool:
+    """Whether SpeedupTrainer would compile the model (what ``training_arguments()`` tells a stock-Trainer user it
+    drops). Planned without a model, regional compile reads "no block found"; what it would do for a model with
+    blocks is what the config asks."""
+    if decision.active:
+        return True
+    asked = plan.config.compile.enabled
+    return asked is True or (asked == "auto" and plan.caps.is_cuda)

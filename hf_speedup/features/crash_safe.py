@@ -207,6 +207,14 @@ class CrashSafeMixin:
     _speedup_staging: str | None = None  # the staging folder while _save_checkpoint runs
     _speedup_deferred_push: bool = False
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``resume_from_checkpoint=True`` resolved to the newest complete checkpoint (incomplete ones set aside
+        first), so the report can carry its counters over from that checkpoint; True where there is none (the
+        Trainer's own error)."""
+        resume_from_checkpoint = resolve_resume(self, resume_from_checkpoint)
+        self.speedup_resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _get_output_dir(self, trial):
         """During a save, the staging folder: the Trainer writes ``<staging>/checkpoint-N``."""
         if self._speedup_staging is not None:
@@ -300,3 +308,6 @@ class CrashSafeMixin:
                 except OSError as exc:  # as the Trainer's rmtree(ignore_errors=True): never ends a run
                     logger.warning("hf_speedup crash_safe: could not delete %s (%s)", checkpoint, exc)
                 remaining -= 1
+
+
+TRAINER_HOOKS = CrashSafeMixin  # the Trainer methods a staged save changes

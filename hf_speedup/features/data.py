@@ -613,3 +613,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if fallbacks:
         parts.append("not applied: " + "; ".join(fallbacks))
     return bool(ok), "; ".join(parts)
+
+
+# the feature's part in the trainer (its loaders, its check of the training set, the evaluation collator)
+from .data_trainer import DataTrainerHooks as TRAINER_HOOKS, attach, problems, stock_trainer_warnings  # noqa: E402,F401

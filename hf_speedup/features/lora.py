@@ -566,3 +566,6 @@ def _problems(model, decision: Decision, layers) -> list[str]:
         if wrong:
             out.append(f"{len(wrong)} adapted layer(s) have no {want} base weight, e.g. {wrong[:3]}")
     return out
+
+
+from .lora_adopt import attach, prepare  # noqa: E402,F401  (the feature's hooks around the trainer's own inputs)

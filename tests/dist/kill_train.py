@@ -360,12 +360,12 @@ def sweep(ns) -> int:
     import peft  # noqa: F401  (imported once, before the forks: each run pays only for its training)
     from transformers import LlamaForCausalLM, Trainer  # noqa: F401
 
-    from hf_speedup import SpeedupTrainer, build_plan  # noqa: F401
+    from hf_speedup import SpeedupTrainer, plan_for  # noqa: F401
     from hf_speedup.tiny import tiny_llama
 
     import gc
 
-    build_plan("baseline", model=tiny_llama(seed=0, **MODEL))  # transformers' lazy modules, loaded once
+    plan_for("baseline", model=tiny_llama(seed=0, **MODEL))  # transformers' lazy modules, loaded once
     gc.freeze()  # what is loaded now is never collected in the runs (the Trainer's gc.collect stays short)
 
     out = Path(ns.out)

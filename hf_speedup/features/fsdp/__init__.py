@@ -39,8 +39,9 @@ from .decision import decide
 from .model_checks import apply
 from .settings import NAME, Mesh, MixedPrecision, Settings, Wrap
 from .trainer_args import training_args
+from .trainer_hooks import FsdpTrainerMixin as TRAINER_HOOKS  # the Trainer methods FSDP changes
 from .verification import verify
 
 APPLIES_TO = "model"  # on CPU hf_speedup shards the model itself; through accelerate the arguments carry it
 
-__all__ = ["APPLIES_TO", "NAME", "Mesh", "MixedPrecision", "Settings", "Wrap", "apply", "decide", "training_args", "verify"]
+__all__ = ["APPLIES_TO", "NAME", "TRAINER_HOOKS", "Mesh", "MixedPrecision", "Settings", "Wrap", "apply", "decide", "training_args", "verify"]
