@@ -161,28 +161,39 @@ def _feature_names() -> set[str]:
     return {feature.NAME for feature in FEATURES}
 
 
+def _named_features(path: Path, module: str, names: set[str]) -> list[str]:
+    """Where ``path`` reaches a feature by name: an import of its module (``from .features import data``,
+    ``from .features.lora import x``) or the name as a string (``outcomes["lora"]``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            target = (node.module or "") if not node.level else "." * node.level + (node.module or "")
+            parts = target.lstrip(".").split(".")
+            if parts[0] == "features" or target.startswith("hf_speedup.features"):
+                parts = parts[1:] if parts[0] == "features" else parts[2:]
+                reached = parts[:1] or [a.name for a in node.names]
+                found += [f"{module} imports features.{n} (line {node.lineno})" for n in reached if n in names]
+        elif isinstance(node, ast.Constant) and node.value in names:
+            found.append(f"{module} names {node.value!r} (line {node.lineno})")
+    return found
+
+
 def test_the_trainers_and_the_runner_name_no_feature():
     """The trainer classes, the stock-Trainer helpers and the runner reach features only through ``FEATURES`` and
     their hooks: no import of a feature's module, no feature name as a string (``outcomes["lora"]``)."""
     names = _feature_names()
-    found = []
-    for module in FEATURE_BLIND:
-        path = PACKAGE / f"{module}.py"
-        found += [f"{module} imports {t}" for t in _imports(path, module)
-                  if t.startswith("features.") and t.split(".")[1] in names]
-        found += [f"{module} names {node.value!r} (line {node.lineno})" for node in ast.walk(ast.parse(path.read_text()))
-                  if isinstance(node, ast.Constant) and node.value in names]
+    found = [line for module in FEATURE_BLIND for line in _named_features(PACKAGE / f"{module}.py", module, names)]
     assert not found, "\n".join(found)
 
 
 def test_the_blindness_check_sees_a_feature_named(tmp_path):
-    """The check above can fail: a module that imports a feature or indexes its outcome is caught."""
-    names = _feature_names()
+    """The check above can fail: imports of a feature in either form, and a feature's name as a key, are caught."""
     path = tmp_path / "trainer.py"
-    path.write_text("from .features import data as data_feature\nx = outcomes['lora']\n")
-    imported = [t for t in _imports(path, "trainer") if t.startswith("features.") and t.split(".")[1] in names]
-    named = [n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant) and n.value in names]
-    assert imported == ["features.data"] and named == ["lora"]
+    path.write_text("from .features import data as data_feature, Setup\nfrom .features.crash_safe import x\n"
+                    "from .features.explicit_args import y\nz = outcomes['lora']\n")
+    found = _named_features(path, "trainer", _feature_names())
+    assert found == ["trainer imports features.data (line 1)", "trainer imports features.crash_safe (line 2)",
+                     "trainer names 'lora' (line 4)"]
 
 
 def test_the_trainer_methods_features_override_are_the_mixins_bases():
