@@ -28,12 +28,12 @@ import types
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from .. import compat
-from ..blocks import find_blocks, find_final_norm, unwrap_model
-from ..hardware import cpu_name
-from ..plan_types import OFF, Decision, Outcome, PlanContext
-from .compile_payback import MEASURED_STEPS, PAYBACK, CompileGate, PaybackCallback, compile_cost_text
-from .probe import steps_trained
+from ... import compat
+from ...blocks import find_blocks, find_final_norm, unwrap_model
+from ...hardware import cpu_name
+from ...plan_types import OFF, Decision, Outcome, PlanContext
+from ..probe import steps_trained
+from .payback import MEASURED_STEPS, PAYBACK, CompileGate, PaybackCallback, compile_cost_text
 
 NAME = "compile"
 APPLIES_TO = "model"
