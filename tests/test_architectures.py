@@ -259,7 +259,7 @@ def _check_checkpointing(trainer, entry, name, before):
 def _check_attention(trainer, entry, name, before):
     from transformers import AttentionInterface
 
-    from hf_speedup.features import sdpa_varlen
+    from hf_speedup.features.attention import sdpa_varlen
 
     config = unwrap_model(trainer.model).config
     assert config._attn_implementation == entry["applied"]
