@@ -26,7 +26,7 @@ class Settings:
     block_class: str | None
     num_blocks: int
     cpu_gemm: str = "default"  # autotune: each CPU GEMM shape on MKL or oneDNN, whichever is faster
-    when: str = "always"  # always | pays_back (the first steps eager, compiled only if it earns back; compile_payback)
+    when: str = "always"  # always | pays_back (the first steps eager, compiled only if it earns back; payback.py)
 
 
 def _off(requested: Any, reason: str, settings: Settings, fallbacks: list | None = None) -> Decision:
