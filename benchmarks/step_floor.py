@@ -62,7 +62,7 @@ class Replay:
     def __init__(self, gemms):
         import torch
 
-        from hf_speedup.features.compile import benchmark_gemm, onednn_mm
+        from hf_speedup.features.compile.cpu_gemm import benchmark_gemm, onednn_mm
 
         self.calls = []
         chosen: dict = {}
@@ -108,7 +108,7 @@ def machine_peak() -> float:
     """Best large-GEMM throughput here (FLOP/s): 2048^2 fp32, best of MKL and oneDNN, best of 5."""
     import torch
 
-    from hf_speedup.features.compile import onednn_mm
+    from hf_speedup.features.compile.cpu_gemm import onednn_mm
 
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     best = float("inf")

@@ -259,7 +259,7 @@ def _check_checkpointing(trainer, entry, name, before):
 def _check_attention(trainer, entry, name, before):
     from transformers import AttentionInterface
 
-    from hf_speedup.features import sdpa_varlen
+    from hf_speedup.features.attention import sdpa_varlen
 
     config = unwrap_model(trainer.model).config
     assert config._attn_implementation == entry["applied"]
@@ -270,7 +270,7 @@ def _check_attention(trainer, entry, name, before):
 
 
 def _check_loss(trainer, entry, name, before):
-    from hf_speedup.features.chunked_cross_entropy import installed_state
+    from hf_speedup.features.loss.chunked_cross_entropy import installed_state
 
     state = installed_state(trainer.model)
     assert state is not None and state.chunked_calls >= 2  # both training steps took the chunked path

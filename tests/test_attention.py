@@ -315,7 +315,7 @@ def test_softcapped_model_trains_eager_with_padding_free_rows(make_args, tokeniz
 def test_sdpa_varlen_refuses_a_softcap_it_cannot_apply():
     import torch
 
-    from hf_speedup.features import sdpa_varlen
+    from hf_speedup.features.attention import sdpa_varlen
 
     q = torch.zeros(1, 2, 4, 8)
     with pytest.raises(ValueError, match=r"sdpa_varlen: Module caps its attention logits \(softcap\).*fix: set "

@@ -17,6 +17,8 @@ from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 from hf_speedup import SpeedupTrainer, plan_for, get_preset
 from hf_speedup.features import Setup
 from hf_speedup.features import compile as rc
+from hf_speedup.features.compile import cpu_gemm as gemm
+from hf_speedup.features.compile import install, verification
 from hf_speedup.model_info import ModelInfo
 from hf_speedup.plan_types import FeatureState, Outcome
 
@@ -278,7 +280,7 @@ class TestFallback:
 
     def test_trainer_goes_on_and_report_names_the_fallen_blocks(self, tiny_model, dataset, collator, make_args,
                                                                monkeypatch):
-        monkeypatch.setattr(rc, "compile_kwargs_of", lambda d, cpu_gemm=None: {"backend": failing_backend})
+        monkeypatch.setattr(install, "compile_kwargs_of", lambda d, cpu_gemm=None: {"backend": failing_backend})
         trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=2), train_dataset=dataset,
                                  data_collator=collator, speedup=compile_cfg())
         trainer.train()
@@ -302,7 +304,7 @@ class TestRecompiles:
         assert not engaged and "no block forward of 3 training step(s) ran compiled code" in why
         tiny_model(**batch(tokenizer, [8, 8]))
         assert rc.verify(decision, trainer, outcome)[0]
-        rc.guarded_regions(tiny_model)[0].compiles = rc._recompile_limit()  # every new shape now runs eager
+        rc.guarded_regions(tiny_model)[0].compiles = verification._recompile_limit()  # every new shape now runs eager
         engaged, why = rc.verify(decision, trainer, outcome)
         assert not engaged and "hit torch._dynamo recompile_limit" in why
         assert "fix: set compile.dynamic: null (or true)" in why  # static shapes: padding alone cannot fix it
@@ -316,7 +318,7 @@ class TestRecompiles:
 
         assert dynamo_recompile_limit(SimpleNamespace(cache_size_limit=8)) == 8  # torch 2.6's config
         assert dynamo_recompile_limit(SimpleNamespace(recompile_limit=4, cache_size_limit=4)) == 4
-        assert dynamo_recompile_limit() == rc._recompile_limit() == torch._dynamo.config.recompile_limit
+        assert dynamo_recompile_limit() == verification._recompile_limit() == torch._dynamo.config.recompile_limit
 
     def test_static_shapes_recompile_per_length_and_are_counted(self, tiny_model, tokenizer):
         compiled(tiny_model, dynamic=False)
@@ -422,7 +424,7 @@ class TestCpuGemm:
 
     def test_onednn_mm_op_is_exact_wherever_the_guard_allows_it(self):
         """On AMX CPUs oneDNN rounds fp32 GEMMs to bf16: there the guard must refuse it, elsewhere it is exact."""
-        op = rc._register_onednn_mm()
+        op = gemm._register_onednn_mm()
         a, b = torch.randn(64, 32), torch.randn(48, 32).t()  # a transposed operand, as in a linear
         assert op(a.to("meta"), b.to("meta")).shape == (64, 48)
         ok, why = rc.onednn_fp32_ok()
@@ -434,7 +436,7 @@ class TestCpuGemm:
             assert "cannot route fp32 matmuls to oneDNN" in why or "could not run here" in why, why
 
     def test_onednn_is_refused_where_it_would_round_to_bf16(self, monkeypatch):
-        monkeypatch.setattr(rc, "onednn_mm", lambda a, b: torch.mm(a.bfloat16().float(), b.bfloat16().float()))
+        monkeypatch.setattr(gemm, "onednn_mm", lambda a, b: torch.mm(a.bfloat16().float(), b.bfloat16().float()))
         ok, why = rc.onednn_fp32_ok()
         assert not ok and "would round fp32 GEMMs to bf16" in why
 
@@ -454,8 +456,9 @@ class TestCpuGemm:
     def test_pass_swaps_only_the_gemms_where_onednn_won(self, monkeypatch):
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        monkeypatch.setattr(rc, "GEMM_CHOICES", {})
-        monkeypatch.setattr(rc, "benchmark_gemm", lambda key: {"choice": "onednn" if key[0][0][0] == 64 else "default"})
+        monkeypatch.setattr(gemm, "GEMM_CHOICES", {})
+        monkeypatch.setattr(gemm, "benchmark_gemm",
+                            lambda key: {"choice": "onednn" if key[0][0][0] == 64 else "default"})
         graph = torch.fx.Graph()
         with FakeTensorMode():
             vals = {"a": torch.empty(64, 32), "b": torch.empty(32, 16), "c": torch.empty(8, 32)}
@@ -488,4 +491,4 @@ def test_inductor_blocks_and_head_match_eager_loss_and_grads(tiny_model, tokeniz
     assert stats["fallbacks"] == {} and stats["recompiles"] == 0 and stats["compiled_regions"] == 7
     assert decision.applied == "blocks+head:inductor"
     if FeatureState(decision, outcome).to_dict()["settings"]["cpu_gemm"] == "autotune":  # oneDNN computes fp32 on this CPU: GEMMs were autotuned
-        assert sum(rc.GEMM_NODES.values()) > 0 or "cache" in rc.cpu_gemm_summary()
+        assert sum(gemm.GEMM_NODES.values()) > 0 or "cache" in rc.cpu_gemm_summary()

@@ -9,8 +9,8 @@ from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset
 from hf_speedup import plan_for as build
 from hf_speedup.features import compile as rc
-from hf_speedup.features import compile_payback
-from hf_speedup.features.compile_payback import DECLINED
+from hf_speedup.features.compile import payback as compile_payback
+from hf_speedup.features.compile.payback import DECLINED
 
 # dynamic: one graph for every padded length, so any recompile below would be the accounting's, not the shapes'
 PAYS_BACK = {"compile": {"enabled": True, "backend": "eager", "mode": None, "dynamic": True, "when": "pays_back"}}

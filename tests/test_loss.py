@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from conftest import CPU_NO_BF16, CUDA_H100, assert_same_in_dtype, fake_caps
 from hf_speedup import SpeedupConfigError, SpeedupConfig, plan_for
 from hf_speedup.features import loss as loss_feature
-from hf_speedup.features.chunked_cross_entropy import (chunked_causal_lm_loss, install, installed_state, uninstall,
-                                                       unsupported_reason)
+from hf_speedup.features.loss.chunked_cross_entropy import (chunked_causal_lm_loss, install, installed_state, uninstall,
+                                                            unsupported_reason)
 from hf_speedup.plan_types import Decision, PlanContext
 from hf_speedup.tiny import tiny_llama
 

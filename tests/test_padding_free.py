@@ -34,7 +34,7 @@ def ragged(n: int, lo: int = 16, hi: int = 512, seed: int = 0, vocab: int = 512)
 
 
 def model_with(impl: str, **sizes):
-    from hf_speedup.features import sdpa_varlen
+    from hf_speedup.features.attention import sdpa_varlen
     from hf_speedup.tiny import tiny_llama
 
     sdpa_varlen.register()
@@ -121,7 +121,7 @@ def test_sdpa_varlen_under_bf16_autocast_matches_sdpa_in_the_same_dtype(collator
 
 
 def test_sdpa_varlen_gradients_equal_the_masked_kernel():
-    from hf_speedup.features.sdpa_varlen import packed_causal_mask
+    from hf_speedup.features.attention.sdpa_varlen import packed_causal_mask
 
     torch.manual_seed(0)
     lengths = [7, 30, 2, 45]
@@ -141,7 +141,7 @@ def test_sdpa_varlen_compiles_into_one_graph_for_every_row_length():
     """An opaque op: no graph break, no data-dependent shape; new lengths and sequence counts do not recompile."""
     from torch._dynamo.testing import CompileCounter
 
-    from hf_speedup.features import sdpa_varlen
+    from hf_speedup.features.attention import sdpa_varlen
 
     counter = CompileCounter()
     fn = torch.compile(lambda q, k, v, p: torch.ops.hf_speedup.sdpa_varlen(q, k, v, p, 0.25)[0].sum(),

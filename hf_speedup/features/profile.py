@@ -39,7 +39,7 @@ from transformers import TrainerCallback
 from ..blocks import find_blocks, unwrap_model
 from ..callback_handler import all_callbacks
 from ..plan_types import OFF, Decision, Outcome, PlanContext
-from .compile_payback import MEASURED_STEPS
+from .compile.payback import MEASURED_STEPS
 
 NAME = "profile"
 APPLIES_TO = "model"

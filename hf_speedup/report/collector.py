@@ -34,7 +34,7 @@ from array import array
 
 from transformers import TrainerCallback
 
-from ..features.compile_payback import OPENED_AFTER_STEP
+from ..features.compile.payback import OPENED_AFTER_STEP
 from ..model_info import ParamCounts, parameter_counts
 from ..peak_flops import resolve_peak_flops
 from . import carry

@@ -23,9 +23,9 @@ import importlib.util
 import logging
 from dataclasses import dataclass
 
-from ..blocks import unwrap_model
-from ..config import SpeedupConfigError
-from ..plan_types import OFF, Decision, Outcome, PlanContext
+from ...blocks import unwrap_model
+from ...config import SpeedupConfigError
+from ...plan_types import OFF, Decision, Outcome, PlanContext
 from . import sdpa_varlen
 
 NAME = "attention"

@@ -1,4 +1,4 @@
-"""Causal-LM cross-entropy without the full-vocabulary logits: the mechanism behind ``features/loss.py``.
+"""Causal-LM cross-entropy without the full-vocabulary logits: the mechanism behind the ``loss`` feature.
 
 Stock transformers computes ``logits = lm_head(hidden)`` for every token (``tokens x vocab`` floats,
 upcast to fp32 for the loss) and keeps them, their log-softmax and later their gradient alive at
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..blocks import unwrap_model
+from ...blocks import unwrap_model
 
 IGNORE_INDEX = -100
 STATE_ATTR = "_hf_speedup_chunked_loss"  # on the transformers model: the installed ChunkedLossState

@@ -19,7 +19,7 @@ import time
 
 from transformers import TrainerCallback
 
-from ..plan_types import Outcome
+from ...plan_types import Outcome
 
 logger = logging.getLogger("hf_speedup")
 

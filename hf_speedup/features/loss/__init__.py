@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..blocks import unwrap_model
-from ..model_parts import HEAD_NAMES
-from ..plan_types import OFF, Decision, Outcome, PlanContext
+from ...blocks import unwrap_model
+from ...model_parts import HEAD_NAMES
+from ...plan_types import OFF, Decision, Outcome, PlanContext
+from ..probe import eager_train_mode, steps_trained
 from .chunked_cross_entropy import IGNORE_INDEX, install, installed_state, uninstall, unsupported_reason
-from .probe import eager_train_mode, steps_trained
 
 NAME = "loss"
 APPLIES_TO = "model"
