@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from .. import compat
-from ..plan_types import Decision, Outcome, PlanContext
+from ... import compat
+from ...plan_types import Decision, Outcome, PlanContext
+from ..explicit_args import EXPLICIT_ARGS_ATTR, users_choice  # noqa: F401  (EXPLICIT_ARGS_ATTR: re-exported)
 from . import padding_free as pf
-from .explicit_args import EXPLICIT_ARGS_ATTR, users_choice  # noqa: F401  (EXPLICIT_ARGS_ATTR: re-exported)
 
 NAME = "data"
 logger = logging.getLogger("hf_speedup")
