@@ -48,13 +48,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..blocks import find_blocks, unwrap_model
-from ..config import SpeedupConfigError
-from ..gguf import clear_stale_gguf_quantizer
-from ..model_info import is_linear_layer, parameter_counts, quantization_of
-from ..model_parts import NEW_HEADS, head_kind, head_modules
-from ..plan_types import OFF, Decision, Outcome, PlanContext
-from .probe import steps_trained
+from ...blocks import find_blocks, unwrap_model
+from ...config import SpeedupConfigError
+from ...gguf import clear_stale_gguf_quantizer
+from ...model_info import is_linear_layer, parameter_counts, quantization_of
+from ...model_parts import NEW_HEADS, head_kind, head_modules
+from ...plan_types import OFF, Decision, Outcome, PlanContext
+from ..probe import steps_trained
 
 NAME = "lora"
 APPLIES_TO = "model"
