@@ -106,7 +106,7 @@ def run_one(variant: str, steps: int, batch: int, seed: int) -> dict:
                              processing_class=tok)
     else:
         from hf_speedup import SpeedupTrainer, get_preset
-        from hf_speedup.features.padding_free import PaddingFreeCollator
+        from hf_speedup.features.data.padding_free import PaddingFreeCollator
 
         config, collator = get_preset("fast"), causal_lm_collator(tok)
         if variant == "fast-eager":

@@ -71,7 +71,7 @@ class MemorySettings:
     cpu_reuse_freed: bool = False  # glibc keeps freed blocks mapped: no page faults per step on CPU
     activation_offloading: Any = False  # auto | true | false: TRL's SFTConfig.activation_offloading (CUDA)
     # The plan fits the step into this: bytes, a size ('24GB', '80GiB'), a fraction of the device's memory
-    # (0.9) or auto (all of it); null: no budget. See features/memory_budget.py.
+    # (0.9) or auto (all of it); null: no budget. See features/memory/budget.py.
     budget: Any = None
     seq_len: int | None = None  # the longest batch row, for the budget (else the arguments' max_length)
     track_live_tensors: bool = False  # report: one step's peak of live tensor bytes (torch's MemTracker)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .config import SpeedupConfig, SpeedupConfigError
-from .features.memory_budget import training_setup
+from .features.memory.budget import training_setup
 from .hardware import Capabilities, probe
 from .loading import load_kwargs
 from .memory_model import MemoryEstimate, estimate, fmt_bytes

@@ -396,7 +396,7 @@ def test_the_memory_estimate_counts_the_adapters_on_the_experts(name):
     knows the routed experts per token and their width (the activations depend on them)."""
     from conftest import CPU_NO_BF16, fake_caps
 
-    from hf_speedup.features.memory_budget import training_setup
+    from hf_speedup.features.memory.budget import training_setup
     from hf_speedup.memory_model import TrainingSetup, estimate, lora_parameters
     from hf_speedup.model_shape import model_shape
 

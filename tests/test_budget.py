@@ -64,7 +64,7 @@ def test_the_budget_needs_a_sequence_length(tmp_path, llama3_8b_bf16):
 
 
 def test_auto_and_fractions_read_the_device(tmp_path, llama3_8b_bf16):
-    from hf_speedup.features.memory_budget import budget_bytes
+    from hf_speedup.features.memory.budget import budget_bytes
 
     assert budget_bytes(0.5, H100) == (42_500_000_000, "0.5 of 79.16 GiB on NVIDIA H100 80GB HBM3 (cuda)")
     assert budget_bytes("24GB", H100)[0] == 24_000_000_000 and budget_bytes("24GiB", H100)[0] == 24 * 1024 ** 3

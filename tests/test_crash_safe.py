@@ -25,8 +25,7 @@ from transformers import Trainer, TrainerCallback
 
 from conftest import launch_env
 from hf_speedup import SpeedupTrainer
-from hf_speedup.features import checkpoint_files as files
-from hf_speedup.features.crash_safe import CrashSafeMixin, resolve_resume
+from hf_speedup.features.crash_safe import CrashSafeMixin, files, resolve_resume
 from hf_speedup.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]

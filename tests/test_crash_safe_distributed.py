@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import launch_env
-from hf_speedup.features import checkpoint_files as files
+from hf_speedup.features.crash_safe import files
 
 pytestmark = [pytest.mark.distributed]
 if importlib.util.find_spec("pytest_timeout") is not None:

@@ -32,7 +32,7 @@ from conftest import free_port, launch_env
 
 from hf_speedup import get_preset
 from hf_speedup.accelerate_config import SHIPPED, write_accelerate_config
-from hf_speedup.features import checkpoint_files as files
+from hf_speedup.features.crash_safe import files
 
 pytestmark = [pytest.mark.distributed]
 if importlib.util.find_spec("pytest_timeout") is not None:

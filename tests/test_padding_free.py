@@ -11,7 +11,8 @@ import torch
 
 from conftest import CPU_NO_BF16, fake_caps
 from hf_speedup import SpeedupTrainer, plan_for, get_preset
-from hf_speedup.features import data, padding_free as pf
+from hf_speedup.features import data
+from hf_speedup.features.data import padding_free as pf
 
 LENGTHS = [5, 17, 3, 29, 11, 8]
 
@@ -286,7 +287,7 @@ def test_use_cache_trap_is_closed_on_every_path_the_trainer_drives(tiny_model, m
 
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])  # transformers >= 5.24 says cache
 def test_use_cache_guard_leaves_a_call_that_brings_its_own_cache_alone(name):
-    from hf_speedup.features.padding_free import _no_cache_for_packed_rows
+    from hf_speedup.features.data.padding_free import _no_cache_for_packed_rows
 
     packed = {"position_ids": torch.tensor([[0, 1, 2, 0, 1]]), "attention_mask": None}
     assert _no_cache_for_packed_rows(None, (), dict(packed))[1]["use_cache"] is False

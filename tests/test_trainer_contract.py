@@ -16,7 +16,7 @@ from hf_speedup import SpeedupTrainer, training_arguments
 from hf_speedup.callback_handler import all_callbacks
 from hf_speedup.blocks import find_blocks
 from hf_speedup.compat import unwrap_optimizer
-from hf_speedup.features.checkpointing_mechanism import block_checkpoint_fn
+from hf_speedup.features.checkpointing.mechanism import block_checkpoint_fn
 from hf_speedup.report.schema import PREFIX
 from hf_speedup.tiny import make_dataset, tiny_llama
 

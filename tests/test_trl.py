@@ -112,7 +112,7 @@ def test_a_user_collator_is_flattened_by_hf_speedup_not_handed_to_trls_padding_f
     from transformers import DataCollatorForLanguageModeling
 
     from hf_speedup import SpeedupSFTTrainer
-    from hf_speedup.features.padding_free import PaddingFreeCollator
+    from hf_speedup.features.data.padding_free import PaddingFreeCollator
 
     ds, tok = chat
     trainer = SpeedupSFTTrainer(model=small_llama(), args=sft_args(tmp_path), train_dataset=ds, processing_class=tok,

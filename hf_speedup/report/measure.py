@@ -351,7 +351,7 @@ class _NoHook:
 
 def estimated_peak(plan: Any, micro_batch: int, seq_len: int, grad_accum: int = 1, padded: bool = False) -> dict | None:
     """:mod:`hf_speedup.memory_model`'s peak for this plan and a batch shape (None where the model is not sized)."""
-    from ..features.memory_budget import training_setup
+    from ..features.memory.budget import training_setup
     from ..memory_model import estimate
 
     shape = getattr(plan.model, "shape", None)

@@ -11,7 +11,7 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .. import compat
+from ... import compat
 
 
 def enable_block_checkpointing(blocks, selected, checkpoint_kwargs: dict) -> str:

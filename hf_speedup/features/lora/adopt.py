@@ -1,7 +1,7 @@
 """LoRA given to the trainer rather than planned: a trainer's own ``peft_config`` (TRL) applied before planning, so
 the plan, compile and the report see the adapters; a model an earlier trainer adapted trained through that
-trainer's PeftModel; the frozen ``ref`` adapter a TRL preference trainer copies from fresh adapters removed.
-The feature's ``prepare`` and ``attach`` hooks."""
+trainer's PeftModel (kept on the model it wraps: ``remember_wrapper``); the frozen ``ref`` adapter a TRL
+preference trainer copies from fresh adapters removed. The feature's ``prepare`` and ``attach`` hooks."""
 
 from __future__ import annotations
 
@@ -9,9 +9,25 @@ import copy
 import logging
 import os
 
-from .lora import wrapper_of
+import torch
 
 logger = logging.getLogger("hf_speedup")
+
+WRAPPER_ATTR = "_hf_speedup_peft_model"
+
+
+def remember_wrapper(peft_model) -> None:
+    """peft adds the adapters to the model it wraps, in place: the PeftModel is kept on that model, so a later
+    trainer handed the same object trains through it (the stock Trainer trains the object it is given) instead of
+    taking the bare model with adapter layers for a PeftModel."""
+    base = getattr(getattr(peft_model, "base_model", None), "model", None)
+    if base is not None:
+        object.__setattr__(base, WRAPPER_ATTR, peft_model)  # not a submodule: state_dict and modules() unchanged
+
+
+def wrapper_of(model):
+    """The PeftModel hf_speedup made around ``model`` for an earlier trainer, else ``model``."""
+    return vars(model).get(WRAPPER_ATTR, model) if isinstance(model, torch.nn.Module) else model
 
 
 def prepare(inputs: dict, args, outcome) -> dict:

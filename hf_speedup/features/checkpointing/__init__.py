@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compat
-from ..blocks import find_blocks
-from ..config import SpeedupConfigError
-from ..plan_types import OFF, Decision, Outcome, PlanContext
-from .explicit_args import users_choice
-from .checkpointing_mechanism import block_checkpoint_fn, disable_kv_cache, enable_block_checkpointing, is_non_reentrant
-from .probe import eager_train_mode
+from ... import compat
+from ...blocks import find_blocks
+from ...config import SpeedupConfigError
+from ...plan_types import OFF, Decision, Outcome, PlanContext
+from ..explicit_args import users_choice
+from ..probe import eager_train_mode
+from .mechanism import block_checkpoint_fn, disable_kv_cache, enable_block_checkpointing, is_non_reentrant
 
 NAME = "checkpointing"
 APPLIES_TO = "model"

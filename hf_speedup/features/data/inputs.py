@@ -9,7 +9,7 @@ the whole set, and skip what they cannot know (an IterableDataset, a collator of
 
 from __future__ import annotations
 
-from .data import drop_last_problem
+from .loaders import drop_last_problem
 
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "labels", "token_type_ids", "position_ids")
 SAMPLE_ROWS = 256  # rows read from an Arrow-backed datasets.Dataset (a columnar slice: cheap)

@@ -38,12 +38,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, MutableMapping
 
-from ..compat import get_allocator_settings, set_allocator_settings
-from ..cpu_allocator import PROBE_BYTES, reallocation_faults, reuse_freed_memory, unavailable_reason
-from ..plan_types import OFF, Decision, Outcome, PlanContext
-from ..presets import resolve
-from . import memory_budget
-from .explicit_args import users_choice
+from ...compat import get_allocator_settings, set_allocator_settings
+from ...cpu_allocator import PROBE_BYTES, reallocation_faults, reuse_freed_memory, unavailable_reason
+from ...plan_types import OFF, Decision, Outcome, PlanContext
+from ...presets import resolve
+from ..explicit_args import users_choice
+from . import budget as memory_budget
 
 NAME = "memory"
 ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the order torch's CUDA allocator reads them

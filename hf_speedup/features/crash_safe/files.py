@@ -11,7 +11,7 @@ renames a checkpoint to ``_checkpoint-N.deleting`` before it deletes it. On resu
 unfinished save, and a ``checkpoint-N`` that is broken (a stock Trainer's half-written one), is moved into
 ``_incomplete_checkpoints/`` (renamed, never deleted) with the reason.
 
-Pure file-system functions; the Trainer hooks are in ``features/crash_safe.py``.
+Pure file-system functions; the Trainer hooks are in ``features/crash_safe/__init__.py``.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any
 
 from transformers import DataCollatorWithFlattening
 
-from .. import compat
+from ... import compat
 
 IGNORE_INDEX = -100
 GUARD_ATTR = "_hf_speedup_packed_rows_guard"
@@ -181,7 +181,7 @@ def probe(collator) -> tuple[bool, str]:
 
 # --------------------------------------------------------------------------------------------- use_cache
 def _decoder(model):
-    from ..blocks import unwrap_model
+    from ...blocks import unwrap_model
 
     base = unwrap_model(model)
     getter = getattr(base, "get_decoder", None)

@@ -27,12 +27,12 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import AUTO, SpeedupConfig, SpeedupConfigError, parse_size
-from ..memory_model import LoraShape, MemoryEstimate, TrainingSetup, estimate, fmt_bytes
-from ..model_shape import ModelShape
-from ..plan_types import Decision, PlanContext
-from . import checkpointing, optimizer
-from .checkpointing import selected_blocks
+from ...config import AUTO, SpeedupConfig, SpeedupConfigError, parse_size
+from ...memory_model import LoraShape, MemoryEstimate, TrainingSetup, estimate, fmt_bytes
+from ...model_shape import ModelShape
+from ...plan_types import Decision, PlanContext
+from .. import checkpointing, optimizer
+from ..checkpointing import selected_blocks
 
 logger = logging.getLogger("hf_speedup")
 

@@ -4,20 +4,21 @@ against the plan before any work."""
 
 from __future__ import annotations
 
-from .data import evaluation_collator, evaluation_loader, training_loader
-from .data_inputs import dataset_problems
+from .collators import evaluation_collator, evaluation_loader
+from .inputs import dataset_problems
+from .loaders import training_loader
 
 
 class DataTrainerHooks:
     """The Trainer's three loaders, built inside the data feature's contexts; pass-throughs when it changes nothing."""
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """Stock evaluation loader, batched by the user's collator (see ``data.evaluation_collator``)."""
+        """Stock evaluation loader, batched by the user's collator (see ``collators.evaluation_collator``)."""
         with evaluation_loader(self):
             return super().get_eval_dataloader(eval_dataset)
 
     def get_test_dataloader(self, test_dataset):
-        """Stock prediction loader, batched by the user's collator (see ``data.evaluation_collator``)."""
+        """Stock prediction loader, batched by the user's collator (see ``collators.evaluation_collator``)."""
         with evaluation_loader(self):
             return super().get_test_dataloader(test_dataset)
 
@@ -26,6 +27,9 @@ class DataTrainerHooks:
         alone does: ``args.dataloader_drop_last`` stays the user's, so evaluation and prediction see every row."""
         with training_loader(self):
             return super().get_train_dataloader()
+
+
+TRAINER_HOOKS = DataTrainerHooks
 
 
 def problems(decision, setup) -> list[str]:

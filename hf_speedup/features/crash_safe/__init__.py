@@ -5,7 +5,7 @@ so a SIGKILL (a scheduler's grace period over, the OOM killer) or a full disk du
 ``train(resume_from_checkpoint=True)`` then fails on (missing ``trainer_state.json``, truncated JSON or
 tensors) until someone deletes it by hand.
 
-How (the Trainer's own save code writes every file; see ``checkpoint_files.py`` for the folders):
+How (the Trainer's own save code writes every file; see ``files.py`` for the folders):
 
 - :class:`CrashSafeMixin` (a base of ``SpeedupMixin``) points the Trainer's ``_save_checkpoint`` at
   ``<output_dir>/_checkpoint-N.staging/`` through ``_get_output_dir``; when it returns, every rank waits for the
@@ -40,9 +40,9 @@ import os
 import time
 from dataclasses import dataclass
 
-from .. import compat
-from ..plan_types import OFF, Decision, Outcome, PlanContext
-from . import checkpoint_files as files
+from ... import compat
+from ...plan_types import OFF, Decision, Outcome, PlanContext
+from . import files
 
 NAME = "crash_safe"
 APPLIES_TO = "train"
