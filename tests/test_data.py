@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
-from hf_speedup import SpeedupTrainer, plan_for, get_preset
+from hf_speedup import SpeedupTrainer, get_preset
+from hf_speedup.plan import plan_for as make_plan
 from hf_speedup.compat import replace_args
 from hf_speedup.features import data
 from hf_speedup.plan_types import Outcome
@@ -13,7 +14,7 @@ from hf_speedup.plan_types import Outcome
 
 def plan_for(caps: dict, args=None, **data_settings):
     cfg = get_preset("baseline").replace(data=data_settings)
-    return plan_for(cfg, caps=fake_caps(**caps), args=args)["data"]
+    return make_plan(cfg, caps=fake_caps(**caps), args=args)["data"]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def varlen_dataset(tokenizer):
 
 # ------------------------------------------------------------------------------------------ plan
 def test_baseline_changes_nothing(make_args):
-    d = plan_for("baseline", caps=fake_caps(**CUDA_H100), args=make_args())["data"]
+    d = make_plan("baseline", caps=fake_caps(**CUDA_H100), args=make_args())["data"]
     assert d.applied == "off" and data.training_args(d, make_args()) == {}
 
 
@@ -180,12 +181,12 @@ def test_drop_last_removes_the_odd_sized_last_batch(tokenizer, collator, make_ar
 
 
 def test_fast_preset_drops_only_the_last_training_batch_and_only_under_static_shape_compile(make_args):
-    fast = plan_for("fast", caps=fake_caps(**CPU_NO_BF16), args=make_args())["data"]
+    fast = make_plan("fast", caps=fake_caps(**CPU_NO_BF16), args=make_args())["data"]
     assert fast.settings.train_drop_last and "dataloader_drop_last" not in data.training_args(fast, None)
-    base = plan_for("baseline", caps=fake_caps(**CPU_NO_BF16), args=make_args(dataloader_drop_last=True))["data"]
+    base = make_plan("baseline", caps=fake_caps(**CPU_NO_BF16), args=make_args(dataloader_drop_last=True))["data"]
     assert not base.settings.train_drop_last and "dataloader_drop_last" not in data.training_args(base, None)
     # fast without its compile (no toolchain here, say): the preset's drop_last is withdrawn, with the reason
-    plan = plan_for("fast", caps=fake_caps(**{**CPU_NO_BF16, "compile": False}), args=make_args())
+    plan = make_plan("fast", caps=fake_caps(**{**CPU_NO_BF16, "compile": False}), args=make_args())
     outcome = Outcome()
     assert data.train_drop_last(plan, outcome) is False
     assert outcome.fallbacks == ["drop_last=True: nothing compiles with static shapes in this run (compile is off), "
@@ -227,7 +228,7 @@ def test_dpo_config_is_not_asked_for_padding_free_its_trainer_switches_off(tmp_p
     assert trainer.data_collator.pad_to_multiple_of == 64 and trainer.args.dataloader_drop_last is False
     assert d.engaged is True, d.engaged_reason
     assert trainer.model.config._attn_implementation != "sdpa_varlen"  # nothing packed to keep apart
-    explicit = plan_for(get_preset("baseline").replace(data={"padding_free": True}), caps=fake_caps(**CPU_NO_BF16),
+    explicit = make_plan(get_preset("baseline").replace(data={"padding_free": True}), caps=fake_caps(**CPU_NO_BF16),
                           model=model, args=args)["data"]
     assert not explicit.settings.padding_free
     assert explicit.fallbacks[0].startswith("padding_free: DPOConfig.padding_free is not honoured by its trainer")
@@ -255,4 +256,4 @@ def test_packing_without_padding_free_keeps_the_last_batch(tmp_path):
     plain = trl.SFTConfig(output_dir=str(tmp_path / "q"), use_cpu=True, bf16=False, max_length=512)
     cfg = get_preset("fast").replace(data={"padding_free": False, "packing": True})
     assert "dataloader_drop_last" not in data.training_args(
-        plan_for(cfg, caps=fake_caps(**CPU_NO_BF16), args=plain)["data"], plain)
+        make_plan(cfg, caps=fake_caps(**CPU_NO_BF16), args=plain)["data"], plain)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
 
-from hf_speedup import SpeedupConfigError, SpeedupTrainer, plan_for, get_preset
+from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset
+from hf_speedup.plan import plan_for as make_plan
 from hf_speedup.features import Setup, lora
 from hf_speedup.plan_types import Outcome
 from hf_speedup.model_info import ModelInfo, describe_model
@@ -21,7 +22,7 @@ def lora_cfg(**kw):
 
 
 def plan_for(cfg, model=None, caps=CPU_NO_BF16):
-    return plan_for(cfg, caps=fake_caps(**caps), model=model)
+    return make_plan(cfg, caps=fake_caps(**caps), model=model)
 
 
 # ----------------------------------------------------------------------------------------- decide

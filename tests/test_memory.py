@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
-from hf_speedup import SpeedupTrainer, plan_for, get_preset
+from hf_speedup import SpeedupTrainer, get_preset
+from hf_speedup.plan import plan_for as make_plan
 from hf_speedup.config import SpeedupConfigError
 from hf_speedup.compat import get_allocator_settings, set_allocator_settings
 from hf_speedup.features import memory
@@ -21,7 +22,7 @@ from hf_speedup.plan_types import Outcome
 
 
 def plan_for(caps: dict, preset: str = "memory", args=None):
-    return plan_for(preset, caps=fake_caps(**caps), args=args)["memory"]
+    return make_plan(preset, caps=fake_caps(**caps), args=args)["memory"]
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -169,8 +170,8 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def test_fast_on_cpu_plans_cpu_reuse_and_cuda_does_not():
-    cpu = plan_for("fast", caps=fake_caps(**CPU_NO_BF16))["memory"]
-    cuda = plan_for("fast", caps=fake_caps(**CUDA_H100))["memory"]
+    cpu = make_plan("fast", caps=fake_caps(**CPU_NO_BF16))["memory"]
+    cuda = make_plan("fast", caps=fake_caps(**CUDA_H100))["memory"]
     assert cpu.requested == "cpu-reuse-freed" and cpu.settings.cpu_reuse_freed is GLIBC
     if GLIBC:
         assert cpu.applied == "cpu-reuse-freed" and cpu.reason == memory.CPU_REUSE_WHY and cpu.fallbacks == ()
@@ -181,7 +182,7 @@ def test_fast_on_cpu_plans_cpu_reuse_and_cuda_does_not():
 
 def test_cpu_reuse_joins_the_cuda_knobs_reasons_on_cpu():
     cfg = get_preset("memory").replace(memory={"cpu_reuse_freed": True})
-    d = plan_for(cfg, caps=fake_caps(**CPU_NO_BF16))["memory"]
+    d = make_plan(cfg, caps=fake_caps(**CPU_NO_BF16))["memory"]
     assert d.requested == "every 50 steps + expandable + cpu-reuse-freed"
     assert d.reason.startswith("not applicable on cpu: no CUDA caching allocator")
     if GLIBC:
@@ -191,7 +192,7 @@ def test_cpu_reuse_joins_the_cuda_knobs_reasons_on_cpu():
 def test_without_glibc_cpu_reuse_falls_back_with_the_reason(monkeypatch):
     monkeypatch.setattr(platform, "libc_ver", lambda *a, **k: ("musl", "1.2"))
     monkeypatch.setattr(platform, "system", lambda: "Linux")
-    d = plan_for("fast", caps=fake_caps(**CPU_NO_BF16))["memory"]
+    d = make_plan("fast", caps=fake_caps(**CPU_NO_BF16))["memory"]
     assert d.applied == "off" and d.settings.cpu_reuse_freed is False
     assert d.fallbacks == ("cpu-reuse-freed: needs glibc's mallopt; this Linux uses another C library (e.g. musl)",)
     assert memory.verify(d, SimpleNamespace(args=None), Outcome()) == (False, d.reason)

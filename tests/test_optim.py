@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
-from hf_speedup import SpeedupConfigError, SpeedupTrainer, plan_for, get_preset
+from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset
+from hf_speedup.plan import plan_for as make_plan
 from hf_speedup.compat import unwrap_optimizer
 from hf_speedup.features import optimizer as optim
 from hf_speedup.plan_types import Outcome
@@ -19,7 +20,7 @@ needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
 
 def plan_for(caps: dict, name: str, args=None, strict: bool = False):
     cfg = get_preset("baseline").replace(optimizer={"name": name, "strict": strict})
-    return plan_for(cfg, caps=fake_caps(**caps), args=args)["optimizer"]
+    return make_plan(cfg, caps=fake_caps(**caps), args=args)["optimizer"]
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -66,7 +67,7 @@ def test_keep_and_non_adamw_user_choices_are_left_alone(make_args):
 @pytest.mark.parametrize("users", ["adamw_8bit", "rmsprop_bnb_8bit", "adamw_torch", "adafactor"])
 def test_an_optim_set_in_trainingarguments_wins_over_every_preset(preset, users, make_args):
     for caps in (CUDA_H100, CPU_NO_BF16):
-        d = plan_for(preset, caps=fake_caps(**caps), args=make_args(optim=users))["optimizer"]
+        d = make_plan(preset, caps=fake_caps(**caps), args=make_args(optim=users))["optimizer"]
         assert d.settings.keep and optim.training_args(d, None) == {} and d.fallbacks == ()
         assert f"kept your TrainingArguments.optim={users!r}" in d.reason
 
@@ -87,7 +88,7 @@ def test_a_bitsandbytes_optim_in_trainingarguments_under_fsdp2_is_refused_up_fro
     with pytest.raises(SpeedupConfigError, match=r"TrainingArguments\.optim = 'adamw_8bit' cannot run under FSDP2: "
                                                  r"bitsandbytes' 8-bit optimizer state does not take FSDP2's sharded "
                                                  r".*fix: drop optim from TrainingArguments"):
-        plan_for("fsdp", caps=fake_caps(**dict(CUDA_H100, world_size=2)),
+        make_plan("fsdp", caps=fake_caps(**dict(CUDA_H100, world_size=2)),
                    args=make_args(optim="adamw_8bit"))
 
 

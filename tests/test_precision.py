@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import CPU_AMX, CPU_NO_BF16, CUDA_H100, CUDA_V100, fake_caps
-from hf_speedup import SpeedupConfigError, SpeedupTrainer, plan_for, get_preset
+from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset
+from hf_speedup.plan import plan_for as make_plan
 from hf_speedup.features import precision
 from hf_speedup.plan_types import Outcome
 
@@ -15,7 +16,7 @@ NO_AMX_REASON = "CPU has avx512_bf16 but no AMX: bf16 autocast was measured 2.6x
 
 def plan_for(caps: dict, args=None, **precision_settings):
     cfg = get_preset("baseline").replace(precision={"dtype": "auto", "tf32": "auto", **precision_settings})
-    return plan_for(cfg, caps=fake_caps(**caps), args=args)["precision"]
+    return make_plan(cfg, caps=fake_caps(**caps), args=args)["precision"]
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -87,7 +88,7 @@ def test_tf32_requests_that_cannot_run_fall_back_or_error():
 
 def test_keep_leaves_trainingarguments_untouched(make_args):
     for args in (make_args(), make_args(bf16=True)):
-        d = plan_for("baseline", caps=fake_caps(**CUDA_H100), args=args)["precision"]
+        d = make_plan("baseline", caps=fake_caps(**CUDA_H100), args=args)["precision"]
         assert d.applied == ("bf16" if args.bf16 else "fp32")
         assert precision.training_args(d, args) == {}
         assert d.settings.cudnn_benchmark is False  # baseline: no global torch flags either
@@ -169,7 +170,7 @@ def test_bf16_on_an_amx_cpu_really_autocasts(monkeypatch, tiny_model, dataset, c
 
 def test_verify_reports_a_mismatch_when_the_plan_is_not_in_force(tiny_model, dataset, collator, make_args):
     trainer = _train("baseline", tiny_model, dataset, collator, make_args, steps=1)
-    planned_bf16 = plan_for(get_preset("baseline").replace(precision={"dtype": "bf16"}),
+    planned_bf16 = make_plan(get_preset("baseline").replace(precision={"dtype": "bf16"}),
                               caps=fake_caps(**CPU_AMX))["precision"]
     engaged, reason = precision.verify(planned_bf16, trainer, Outcome())
     assert engaged is False and "MISMATCH: planned bf16, in force fp32" in reason
@@ -193,7 +194,7 @@ def test_an_amd_gpu_gets_no_tf32_though_its_capability_number_is_high(monkeypatc
     """ROCm reports MI300 as 9.4, yet transformers refuses tf32 there (TrainingArguments would raise)."""
     mi300 = _probe_a_gpu(monkeypatch, (9, 4), hip="6.2.0")
     assert mi300.device_type == "cuda" and mi300.rocm and mi300.bf16 and not mi300.tf32
-    d = plan_for(get_preset("baseline").replace(precision={"dtype": "auto", "tf32": True}), caps=mi300)["precision"]
+    d = make_plan(get_preset("baseline").replace(precision={"dtype": "auto", "tf32": True}), caps=mi300)["precision"]
     assert d.settings.tf32 is None and "tf32" not in precision.training_args(d, None)
     assert d.fallbacks == ("tf32: gpu is an AMD GPU (ROCm), where transformers allows no TF32",)
     h100 = _probe_a_gpu(monkeypatch, (9, 0), hip=None)
