@@ -1,5 +1,6 @@
-"""One module (or one package, its helpers inside) per acceleration, each with the same small surface; its name is also its config section
-and its report key (``features/compile/`` <-> ``SpeedupConfig.compile`` <-> ``report["plan"]["compile"]``).
+"""One module (or one package, its helpers inside) per acceleration, each with the same small surface; its name is
+also its config section and its report key (``features/compile/`` <-> ``SpeedupConfig.compile`` <->
+``report["plan"]["compile"]``).
 
 Every feature module defines:
 
