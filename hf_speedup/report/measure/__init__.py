@@ -31,9 +31,9 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence
-from .._version import __version__
-from ..compat import tf32_matmul_enabled
-from ..dtypes import short_name
+from ..._version import __version__
+from ...compat import tf32_matmul_enabled
+from ...dtypes import short_name
 
 IGNORE_INDEX = -100
 
@@ -351,8 +351,8 @@ class _NoHook:
 
 def estimated_peak(plan: Any, micro_batch: int, seq_len: int, grad_accum: int = 1, padded: bool = False) -> dict | None:
     """:mod:`hf_speedup.memory_model`'s peak for this plan and a batch shape (None where the model is not sized)."""
-    from ..features.memory_budget import training_setup
-    from ..memory_model import estimate
+    from ...features.memory_budget import training_setup
+    from ...memory_model import estimate
 
     shape = getattr(plan.model, "shape", None)
     if shape is None or not micro_batch or not seq_len:
@@ -395,7 +395,7 @@ class MemoryWatch:
             self.reason = "compiled regions run here: a dispatch mode would make them recompile or run eagerly"
             return
         try:
-            from ..compat import unwrap_optimizer
+            from ...compat import unwrap_optimizer
 
             opt = getattr(trainer, "optimizer", None)
             self.live.begin(trainer.model, unwrap_optimizer(opt) if opt is not None else None, state.global_step + 1)
