@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ..report.measure import attention_length, batch_counts
+from ..report.measure.memory_watch import NoHook
 
 
 class TokenMeter:
@@ -29,11 +30,6 @@ class TokenMeter:
         return attention_length(sum(int(x[2]) for x in counts), sum(int(x[3]) for x in counts)) if counts else None
 
 
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
 class MemoryProbe:
     """CPU: live tensor bytes of one step as torch's MemTracker counts them (parameters, gradients,
     optimizer state, activations, temporaries). Under its dispatch mode torch.compile steps aside, so the
@@ -56,7 +52,7 @@ class MemoryProbe:
             # base): mark those as hooked already, with a handle that removes nothing.
             for param in model.parameters():
                 if not param.requires_grad:
-                    self.tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
+                    self.tracker._param_to_grad_hook_handles[param] = (NoHook(), NoHook())
             self.tracker.track_external(model, unwrap_optimizer(optimizer) if optimizer is not None else None)
             self.tracker.__enter__()
         except Exception as exc:  # the measurement must never break the benchmark; say why instead

@@ -115,7 +115,7 @@ class LiveTensorStep:
         tracker = MemTracker()
         for p in model.parameters():  # MemTracker hooks every parameter; frozen ones (LoRA's base) cannot take one
             if not p.requires_grad:
-                tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+                tracker._param_to_grad_hook_handles[p] = (NoHook(), NoHook())
         tracker.track_external(model, *([optimizer] if optimizer is not None else []))
         tracker.__enter__()
         self.tracker, self.step, self.micro_batches = tracker, step, 0
@@ -141,7 +141,10 @@ class LiveTensorStep:
         return self.result
 
 
-class _NoHook:
+class NoHook:
+    """A hook handle that removes nothing: what MemTracker is given for a frozen parameter, which cannot take the
+    gradient hook it puts on every parameter."""
+
     def remove(self) -> None:
         pass
 
