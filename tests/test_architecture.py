@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),  # the request
     ("presets",),  # named requests
     ("hardware",),  # Capabilities
-    ("model_info", "model_parts", "model_shape", "memory_model"),  # what the plan may know of a model; memory formulas
+    ("model_info", "model_parts", "model_shape", "memory_model",
+     "memory_model_types"),  # what the plan may know of a model; memory formulas (and their types)
     ("plan_types",),  # Decision, Outcome, Plan
     ("features",),  # one module (or package) per acceleration
     ("plan",),  # build_plan: orders the features' decisions
