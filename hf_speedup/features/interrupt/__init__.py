@@ -53,8 +53,8 @@ from dataclasses import dataclass
 
 from transformers import TrainerCallback
 
-from ..callback_handler import all_callbacks
-from ..plan_types import OFF, Decision, Outcome, PlanContext
+from ...callback_handler import all_callbacks
+from ...plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "interrupt"
 APPLIES_TO = "train"
