@@ -92,11 +92,10 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    from hf_speedup.features import interrupt
-    from hf_speedup.features.interrupt import TrainingInterrupted
+    from hf_speedup.features.interrupt import TrainingInterrupted, ranks
 
     if ns.as_if_nccl:
-        interrupt.default_backend = lambda: "nccl"
+        ranks.default_backend = lambda: "nccl"  # where _RankAgreement.create looks it up
 
     trainer = build_trainer(ns, Path(ns.output_dir or out / ns.tag))
     res: dict = {"rank": _rank(), "world_size": _world(), "exit_status": 0}
