@@ -191,29 +191,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def launch_env() -> dict:
-    """The environment of a test's own torchrun launch: offline, one thread per rank, this checkout importable,
-    and nothing left over from a launcher the test itself runs under."""
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[1])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=root + os.pathsep + env.get("PYTHONPATH", ""),
-               WANDB_MODE="offline", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
-def free_port() -> int:
-    """A port nothing listens on now (other test runs launch torchrun on this machine at the same time)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def one_process_losses(tmp_path_factory):
     """The losses of tests/dist/fsdp_train.py's run in this process: the whole global batch, FSDP off (one process),

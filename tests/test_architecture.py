@@ -21,10 +21,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("config",),  # the request
     ("presets",),  # named requests
     ("hardware",),  # Capabilities
-    ("model_info", "model_parts", "model_shape", "memory_model"),  # what the plan may know of a model; memory formulas
+    ("model_info", "model_parts", "model_shape", "memory_model",
+     "memory_model_types"),  # what the plan may know of a model; memory formulas (and their types)
     ("plan_types",),  # Decision, Outcome, Plan
     ("features",),  # one module (or package) per acceleration
-    ("plan",),  # plan_for: orders the features' decisions; plan_for: the door for a loose request
+    ("plan",),  # build_plan: orders the features' decisions; plan_for: the door for a loose request
     ("runner",),  # Speedup: the feature protocol every trainer class and the stock-Trainer helpers drive
     ("stock", "loading", "accelerate_config", "inputs", "estimate"),  # what a plan means outside SpeedupTrainer; input checks
     ("report",),  # the report's schema, collection and sinks

@@ -171,7 +171,7 @@ def test_rows_ragged_fixed_and_from_files(tokenizer, tmp_path):
 def test_the_meter_counts_as_the_report_does_tokens_per_step_and_attention_length():
     import torch
 
-    from hf_speedup.bench.worker import TokenMeter
+    from hf_speedup.bench.meters import TokenMeter
 
     meter = TokenMeter()
     meter.add({"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": torch.tensor([[1] * 5, [1, 1, 0, 0, 0]])})
@@ -329,7 +329,7 @@ def test_peers_load_a_model_path_in_fp32_like_the_presets(tmp_path):
     """A checkpoint saved in bf16: the stock peers must not train in its storage dtype while presets load fp32."""
     import torch
 
-    from hf_speedup.bench.worker import build_model
+    from hf_speedup.bench.variants import build_model
     from hf_speedup.presets import resolve
     from hf_speedup.tiny import tiny_llama
 

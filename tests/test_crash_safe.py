@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback
 
-from conftest import launch_env
+from distributed_helpers import launch_env
 from hf_speedup import SpeedupTrainer
 from hf_speedup.features.crash_safe import CrashSafeMixin, files, resolve_resume
 from hf_speedup.tiny import tiny_llama

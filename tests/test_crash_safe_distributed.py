@@ -12,32 +12,20 @@ tests/test_fsdp_distributed.py).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from conftest import launch_env
+from distributed_helpers import DIST, distributed_marks, executable, launch
 from hf_speedup.features.crash_safe import files
 
-pytestmark = [pytest.mark.distributed]
-if importlib.util.find_spec("pytest_timeout") is not None:
-    pytestmark.append(pytest.mark.timeout(900))
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "dist" / "kill_train.py"
+pytestmark = distributed_marks()
+SCRIPT = DIST / "kill_train.py"
 
 
 def _launch(out: Path, tag: str, *extra: str) -> subprocess.CompletedProcess:
-    exe = shutil.which("torchrun")
-    if exe is None:
-        pytest.skip("torchrun not on PATH")
-    return subprocess.run([exe, "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out), "--tag", tag,
-                           "--preset", "fsdp", "--output-dir", str(out / "run"), *extra],
-                          cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=540)
+    return launch([executable("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out),
+                   "--tag", tag, "--preset", "fsdp", "--output-dir", str(out / "run"), *extra], check=False)
 
 
 def _result(out: Path, tag: str, rank: int) -> dict | None:

@@ -8,28 +8,20 @@ with the shipped FSDP2 YAML, exactly as the docs show it (plus ``--num_processes
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import launch_env
+from distributed_helpers import DIST, distributed_marks, executable, launch, rank_results
 from hf_speedup.hardware import FAKE_CPU_AMX
 
-pytestmark = [pytest.mark.distributed]
-if importlib.util.find_spec("pytest_timeout") is not None:
-    pytestmark.append(pytest.mark.timeout(900))
+import fsdp_train as F  # tests/dist: importable once distributed_helpers is
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "dist" / "fsdp_train.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import fsdp_train as F  # noqa: E402
+pytestmark = distributed_marks()
+SCRIPT = DIST / "fsdp_train.py"
 
 FULL_BYTES = 213_568 * 4  # the tiny Llama (hidden 64, 4 blocks, vocab 512) in fp32
 
@@ -41,26 +33,15 @@ NO_AMX = {FAKE_CPU_AMX: "0"}
 
 
 def _launch(cmd: list[str], out: Path, env: dict | None = None) -> list[dict]:
-    proc = subprocess.run(cmd, cwd=ROOT, env={**launch_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=540)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-
-
-def _exe(name: str) -> str:
-    found = shutil.which(name)
-    if found is None:
-        pytest.skip(f"{name} not on PATH")
-    return found
+    launch(cmd, env=env)
+    return rank_results(out)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
-    ranks = _launch([_exe("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out)], out,
-                    NO_AMX)
+    ranks = _launch([executable("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out)],
+                    out, NO_AMX)
     return out, ranks
 
 
@@ -264,7 +245,7 @@ def test_accelerate_launch_with_the_shipped_fsdp2_yaml(tmp_path, cpu_kind):
     alone would pick bf16 (AMX); the reference is planned under the same launcher setting (like with like).
     """
     out = tmp_path / "acc"
-    cmd = [_exe("accelerate"), "launch", "--config_file", "configs/accelerate/fsdp2_full_shard.yaml",
+    cmd = [executable("accelerate"), "launch", "--config_file", "configs/accelerate/fsdp2_full_shard.yaml",
            "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", "0",
            str(SCRIPT), "--out", str(out), "--phases", "main"]
     ranks = _launch(cmd, out, {FAKE_CPU_AMX: os.environ[FAKE_CPU_AMX]})
@@ -285,7 +266,7 @@ def test_accelerate_launch_with_the_shipped_fsdp2_yaml(tmp_path, cpu_kind):
 def test_compile_composes_with_fsdp2(tmp_path, run):
     """Inductor-compiled blocks (in place) sharded afterwards: same losses as the eager sharded run."""
     out = tmp_path / "compile"
-    ranks = _launch([_exe("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out),
+    ranks = _launch([executable("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out),
                      "--phases", "compile"], out)
     eager = run[1][0]["full"]["losses"]  # the eager sharded run with the same 4-step schedule
     for res in ranks:

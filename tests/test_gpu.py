@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import launch_env
+from distributed_helpers import launch_env
 from hf_speedup import SpeedupTrainer, get_preset
 from hf_speedup.blocks import find_blocks, unwrap_model
 from hf_speedup.compat import unwrap_optimizer

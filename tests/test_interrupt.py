@@ -337,7 +337,7 @@ def test_a_failed_start_puts_the_previous_handlers_back(make_args, dataset, coll
     def broken(cls, trainer):
         raise RuntimeError("gloo is not available")
 
-    monkeypatch.setattr(interrupt._RankAgreement, "create", classmethod(broken))
+    monkeypatch.setattr(interrupt.ranks._RankAgreement, "create", classmethod(broken))
     with pytest.raises(RuntimeError, match="gloo is not available"):
         trainer.train()
     assert {n: signal.getsignal(getattr(signal, n)) for n in HANDLED} == own_handlers

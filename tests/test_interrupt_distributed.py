@@ -14,46 +14,33 @@ tests/test_fsdp_distributed.py). A hub_token is planted in every run: it must re
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import launch_env
+from distributed_helpers import DIST, ROOT, distributed_marks, executable, launch, launch_env, rank_results
 
-pytestmark = [pytest.mark.distributed]
-if importlib.util.find_spec("pytest_timeout") is not None:
-    pytestmark.append(pytest.mark.timeout(900))
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "dist" / "interrupt_train.py"
+pytestmark = distributed_marks()
+SCRIPT = DIST / "interrupt_train.py"
 HUB_TOKEN = "hf_planted_distributed_token_91c2"
 STEPS = 8
 
 
 def _torchrun(out: Path, tag: str, *extra: str) -> list[str]:
-    exe = shutil.which("torchrun")
-    if exe is None:
-        pytest.skip("torchrun not on PATH")
-    return [exe, "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out), "--tag", tag,
-            "--preset", "fsdp", "--max-steps", str(STEPS), "--hub-token", HUB_TOKEN, *extra]
+    return [executable("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out),
+            "--tag", tag, "--preset", "fsdp", "--max-steps", str(STEPS), "--hub-token", HUB_TOKEN, *extra]
 
 
 def _ranks(out: Path, tag: str) -> list[dict]:
-    return [json.loads((out / f"{tag}.rank{r}.json").read_text()) for r in (0, 1)]
+    return rank_results(out, f"{tag}.")
 
 
 def _launch(out: Path, tag: str, *extra: str, expect_ok: bool = True) -> list[dict]:
-    proc = subprocess.run(_torchrun(out, tag, *extra), cwd=ROOT, env=launch_env(), capture_output=True, text=True,
-                          timeout=540)
-    if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"{tag} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    proc = launch(_torchrun(out, tag, *extra), check=expect_ok, what=tag)
     if not expect_ok:
         assert proc.returncode != 0, "torchrun must report the workers' non-zero exit"
     return _ranks(out, tag)

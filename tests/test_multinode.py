@@ -17,44 +17,30 @@ Each rank's facts come back as JSON, the full training state as ``.pt`` files wr
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port, launch_env
-
+from distributed_helpers import (DIST, ROOT, distributed_marks, executable, free_port, launch, launch_env,
+                                 rank_results)
 from hf_speedup import get_preset
 from hf_speedup.accelerate_config import SHIPPED, write_accelerate_config
 from hf_speedup.features.crash_safe import files
 
-pytestmark = [pytest.mark.distributed]
-if importlib.util.find_spec("pytest_timeout") is not None:
-    pytestmark.append(pytest.mark.timeout(900))
+import fsdp_train as F  # tests/dist: importable once distributed_helpers is
+import multinode_train as M
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "dist" / "multinode_train.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import fsdp_train as F  # noqa: E402
-import multinode_train as M  # noqa: E402
+pytestmark = distributed_marks()
+SCRIPT = DIST / "multinode_train.py"
 
 HALF = 213_568 * 4 // 2  # the tiny Llama in fp32, split over a shard group of 2
 LOSS_REL = 1e-6  # fp32: another world size only reorders the sums
 # restarted workers must not find the first attempt's keys in the rendezvous store torchrun shares with them
 ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def _torchrun() -> str:
-    exe = shutil.which("torchrun")
-    if exe is None:
-        pytest.skip("torchrun not on PATH")
-    return exe
 
 
 def start_nodes(out: Path, tag: str, *args: str, nodes: int = 2, nproc: int = 2, torchrun_args: tuple = (),
@@ -63,7 +49,7 @@ def start_nodes(out: Path, tag: str, *args: str, nodes: int = 2, nproc: int = 2,
     port = free_port()
     procs = []
     for node in range(nodes):
-        cmd = [_torchrun(), "--nnodes", str(nodes), "--nproc_per_node", str(nproc), "--node_rank", str(node),
+        cmd = [executable("torchrun"), "--nnodes", str(nodes), "--nproc_per_node", str(nproc), "--node_rank", str(node),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
                *torchrun_args, str(SCRIPT), "--out", str(out), "--tag", tag, *args]
         log = open(out / f"{tag}.node{node}.log", "w")
@@ -92,7 +78,7 @@ def _logs(out: Path, tag: str) -> str:
 
 
 def ranks(out: Path, tag: str, world: int = 4) -> list[dict]:
-    return [json.loads((out / f"{tag}.rank{r}.json").read_text()) for r in range(world)]
+    return rank_results(out, f"{tag}.", range(world))
 
 
 def same_state(a: Path, b: Path) -> list[str]:
@@ -201,10 +187,8 @@ def test_the_final_save_is_a_full_model_from_pretrained_loads(out, two_nodes):
 
 # ------------------------------------------------------------------------------------------ across world sizes
 def test_a_four_process_checkpoint_resumes_on_two_processes(out, two_nodes):
-    cmd = [_torchrun(), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out), "--tag", "two",
-           "--resume", str(out / "nodes" / "checkpoint-4"), "--dump-state"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    launch([executable("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out),
+            "--tag", "two", "--resume", str(out / "nodes" / "checkpoint-4"), "--dump-state"])
     assert same_state(out / "nodes.saved-4.pt", out / "two.loaded-4.pt") == []  # resharded 4 -> 2, bit for bit
     uninterrupted = _losses(two_nodes[0])
     for res in ranks(out, "two", world=2):
@@ -300,13 +284,6 @@ def test_a_rank_killed_inside_its_part_of_a_save_on_another_node_leaves_no_check
 
 
 # ------------------------------------------------------------------------------------------ accelerate launch
-def _accelerate() -> str:
-    exe = shutil.which("accelerate")
-    if exe is None:
-        pytest.skip("accelerate not on PATH")
-    return exe
-
-
 def _multinode_config(path: Path) -> Path:
     """The shipped multi-node file (fsdp preset, HSDP: parallelism_config) for 2 machines x 2 processes."""
     preset, overrides, _, machines = SHIPPED["fsdp2_hybrid_multinode"]
@@ -317,8 +294,8 @@ def _multinode_config(path: Path) -> Path:
 
 def _machine_cmd(config: Path, rank: int, port: int, *args: str) -> list[str]:
     """The documented command (plus --mixed_precision no on CPU), one machine of two, both on 127.0.0.1."""
-    return [_accelerate(), "launch", "--config_file", str(config), "--machine_rank", str(rank), "--main_process_ip",
-            "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no", *args]
+    return [executable("accelerate"), "launch", "--config_file", str(config), "--machine_rank", str(rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--mixed_precision", "no", *args]
 
 
 def test_accelerate_launch_of_the_multinode_config_on_two_cpu_machines(out, two_nodes):
@@ -352,9 +329,8 @@ def test_accelerate_launch_of_the_multinode_config_on_two_cpu_machines(out, two_
 
 def test_a_machine_that_never_joins_stops_the_accelerate_launch_after_the_stated_timeout(tmp_path):
     start = time.monotonic()
-    proc = subprocess.run(_machine_cmd(_multinode_config(tmp_path / "c.yaml"), 0, free_port(), "--rdzv_conf",
-                                       "timeout=5", str(SCRIPT), "--out", str(tmp_path), "--tag", "alone"),
-                          cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=300)
+    proc = launch(_machine_cmd(_multinode_config(tmp_path / "c.yaml"), 0, free_port(), "--rdzv_conf", "timeout=5",
+                               str(SCRIPT), "--out", str(tmp_path), "--tag", "alone"), timeout=300, check=False)
     assert proc.returncode != 0
     assert "DistStoreError: Timed out after" in proc.stderr and "1/2 clients joined" in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start < 120

@@ -11,29 +11,22 @@ The script runs in its CPU mode (gloo), two nodes x one process, the worker test
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port, launch_env
+from distributed_helpers import DIST, ROOT, distributed_marks, free_port, launch_env, rank_results
 
-pytestmark = [pytest.mark.distributed]
-if importlib.util.find_spec("pytest_timeout") is not None:
-    pytestmark.append(pytest.mark.timeout(900))
+import fsdp_train as F  # the run's length (tests/dist: importable once distributed_helpers is)
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = distributed_marks()
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
-STANDINS = ROOT / "tests" / "dist" / "slurm"
-WORKER = ROOT / "tests" / "dist" / "multinode_train.py"
-sys.path.insert(0, str(WORKER.parent))
-import fsdp_train as F  # noqa: E402  (the run's length)
+STANDINS = DIST / "slurm"
+WORKER = DIST / "multinode_train.py"
 
 JOB = "4242"
 
@@ -55,7 +48,7 @@ def _job(out: Path, tag: str, *args: str, **env: str) -> subprocess.Popen:
 
 
 def _ranks(out: Path, tag: str) -> list[dict]:
-    return [json.loads((out / f"{tag}.rank{r}.json").read_text()) for r in (0, 1)]
+    return rank_results(out, f"{tag}.")
 
 
 def _log(out: Path, tag: str) -> str:

@@ -158,13 +158,22 @@ class Run:
             worker.close()
         self.say(f"  {name}: failed: {why}")
 
+    def exchange(self, name: str, worker: Worker, event: str, word: str | None = None) -> dict | None:
+        """Send ``word`` (if any) to the worker and wait for its ``event``; None when that failed (the variant's row
+        then says why and its worker is gone)."""
+        try:
+            if word is not None:
+                worker.send(word)
+            return worker.expect(event, self.options.timeout)
+        except WorkerFailed as exc:
+            self.fail(name, str(exc))
+            return None
+
     def start(self, name: str) -> None:
         worker = Worker(name, worker_spec(self.options, name, self.device, self.output), self.output)
         self.workers[name] = worker
-        try:
-            worker.expect("ready", self.options.timeout)
-        except WorkerFailed as exc:
-            return self.fail(name, str(exc))
+        if self.exchange(name, worker, "ready") is None:
+            return
         self.rows[name]["setup_s"] = time.perf_counter() - worker.started
         self.rows[name]["status"] = "running"
         self.say(f"  {name}: ready after {self.rows[name]['setup_s']:.1f} s", flush=True)
@@ -173,11 +182,9 @@ class Run:
         worker = self.workers.get(name)
         if worker is None:
             return
-        try:
-            worker.send("go")
-            message = worker.expect("step", self.options.timeout)
-        except WorkerFailed as exc:
-            return self.fail(name, str(exc))
+        message = self.exchange(name, worker, "step", "go")
+        if message is None:
+            return
         self.rows[name]["seconds"].append(float(message["seconds"]))
         self.rows[name]["faults"].append(int(message["faults"]))
 
@@ -185,11 +192,9 @@ class Run:
         worker = self.workers.get(name)
         if worker is None:
             return
-        try:
-            worker.send("finish")
-            message = worker.expect("done", self.options.timeout)
-        except WorkerFailed as exc:
-            return self.fail(name, str(exc))
+        message = self.exchange(name, worker, "done", "finish")
+        if message is None:
+            return
         self.rows[name].update(status="ok", result=message["result"], log=worker.log_path)
         worker.close()
         del self.workers[name]

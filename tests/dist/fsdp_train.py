@@ -18,18 +18,11 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
-             "TOKENIZERS_PARALLELISM": "false"}.items():
-    os.environ.setdefault(k, v)
+from dist_common import GLOBAL_BATCH, MODEL, this_rank, world_size  # first: this checkout importable, the environment
 
 STEPS = 8
 SAVE_AT = 4
-GLOBAL_BATCH = 8
 LR = 1e-3
-MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 PHASES = ("main", "resume", "lora", "moe_lora", "offload", "full", "strategies", "trap")
 CUDA = False  # --cuda: train on the GPUs (NCCL), as the GPU plan does with one process
 
@@ -112,7 +105,7 @@ def phase_main(out: Path, rank: int, res: dict) -> None:
 
     tok, ds = data()
     # each rank initialises differently: the run can only match the reference if rank 0's weights are broadcast
-    tr = trainer_for(build(seed=rank), make_args(out / "main", GLOBAL_BATCH // _world()), "fsdp", tok, ds)
+    tr = trainer_for(build(seed=rank), make_args(out / "main", GLOBAL_BATCH // world_size()), "fsdp", tok, ds)
     state = tr.speedup_status["fsdp"]
     res["main_init"] = {"engaged": state.engaged, "reason": state.engaged_reason}
     tr.train()
@@ -142,7 +135,7 @@ def phase_main(out: Path, rank: int, res: dict) -> None:
 def phase_resume(out: Path, rank: int, res: dict) -> None:
     tok, ds = data()
     # another seed: every weight the resumed run trains with must come from the checkpoint
-    tr = trainer_for(build(seed=1), make_args(out / "resume", GLOBAL_BATCH // _world()), "fsdp", tok, ds)
+    tr = trainer_for(build(seed=1), make_args(out / "resume", GLOBAL_BATCH // world_size()), "fsdp", tok, ds)
     tr.train(resume_from_checkpoint=str(out / "main" / f"checkpoint-{SAVE_AT}"))
     res["resume"] = {"losses": losses(tr), "engaged": tr.speedup_status["fsdp"].engaged}
 
@@ -151,7 +144,7 @@ def phase_lora(out: Path, rank: int, res: dict) -> None:
     from hf_speedup.features.fsdp.checkpoint import full_model_state_dict
 
     tok, ds = data()
-    tr = trainer_for(build(0), make_args(out / "lora", GLOBAL_BATCH // _world(), max_steps=4, save_strategy="no"),
+    tr = trainer_for(build(0), make_args(out / "lora", GLOBAL_BATCH // world_size(), max_steps=4, save_strategy="no"),
                      "fsdp-lora", tok, ds)
     before = {k: v.clone() for k, v in full_model_state_dict(tr.model).items()}
     tr.train()
@@ -185,7 +178,7 @@ def phase_moe_lora(out: Path, rank: int, res: dict) -> None:
     from hf_speedup.features.fsdp.checkpoint import full_model_state_dict
 
     tok, ds = data()
-    tr = trainer_for(build_moe(0), make_args(out / "moe_lora", GLOBAL_BATCH // _world(), max_steps=3,
+    tr = trainer_for(build_moe(0), make_args(out / "moe_lora", GLOBAL_BATCH // world_size(), max_steps=3,
                                              save_strategy="no"),
                      {"base": "fsdp-lora", "lora": {"dropout": 0.0}}, tok, ds)
     before = {k: v.clone() for k, v in full_model_state_dict(tr.model).items()}
@@ -201,8 +194,8 @@ def phase_moe_lora(out: Path, rank: int, res: dict) -> None:
 
 def phase_offload(out: Path, rank: int, res: dict) -> None:
     tok, ds = data()
-    tr = trainer_for(build(0), make_args(out / "offload", GLOBAL_BATCH // _world(), max_steps=3, save_strategy="no"),
-                     "fsdp-offload", tok, ds)
+    tr = trainer_for(build(0), make_args(out / "offload", GLOBAL_BATCH // world_size(), max_steps=3,
+                                         save_strategy="no"), "fsdp-offload", tok, ds)
     tr.train()
     res["offload"] = {"losses": losses(tr), **_facts(tr)}
 
@@ -212,12 +205,12 @@ def phase_full(out: Path, rank: int, res: dict) -> None:
 
     tok, ds = data()
     cfg = get_preset("fsdp").replace(fsdp={"state_dict_type": "full"})
-    tr = trainer_for(build(0), make_args(out / "full", GLOBAL_BATCH // _world(), max_steps=4, save_steps=2), cfg,
+    tr = trainer_for(build(0), make_args(out / "full", GLOBAL_BATCH // world_size(), max_steps=4, save_steps=2), cfg,
                      tok, ds)
     tr.train()
     ck = out / "full" / "checkpoint-2"
     info = {"losses": losses(tr), "checkpoint_files": sorted(os.listdir(ck)) if ck.is_dir() else []}
-    tr2 = trainer_for(build(seed=1), make_args(out / "full_resume", GLOBAL_BATCH // _world(), max_steps=4,
+    tr2 = trainer_for(build(seed=1), make_args(out / "full_resume", GLOBAL_BATCH // world_size(), max_steps=4,
                                                save_strategy="no"), cfg, tok, ds)
     tr2.train(resume_from_checkpoint=str(ck))
     info["resume_losses"] = losses(tr2)
@@ -231,7 +224,7 @@ def phase_strategies(out: Path, rank: int, res: dict) -> None:
     res["strategies"] = {}
     for strategy in ("shard_grad_op", "no_shard", "hybrid_shard"):
         cfg = get_preset("fsdp").replace(fsdp={"strategy": strategy})
-        tr = trainer_for(build(0), make_args(out / strategy, GLOBAL_BATCH // _world(), max_steps=2,
+        tr = trainer_for(build(0), make_args(out / strategy, GLOBAL_BATCH // world_size(), max_steps=2,
                                              save_strategy="no"), cfg, tok, ds)
         tr.train()
         res["strategies"][strategy] = {"losses": losses(tr), **_facts(tr)}
@@ -246,7 +239,7 @@ def phase_strategies(out: Path, rank: int, res: dict) -> None:
     torch.manual_seed(0)
     tied = LlamaForCausalLM(config)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
-    tr = trainer_for(tied, make_args(out / "tied", GLOBAL_BATCH // _world(), max_steps=2, save_strategy="no"),
+    tr = trainer_for(tied, make_args(out / "tied", GLOBAL_BATCH // world_size(), max_steps=2, save_strategy="no"),
                      "fsdp", tok, ds)
     tr.train()
     res["strategies"]["tied"] = {"losses": losses(tr), "still_tied": tr.model.lm_head.weight is
@@ -259,7 +252,7 @@ def phase_strategies(out: Path, rank: int, res: dict) -> None:
     res["strategies"]["ga"] = {"losses": losses(tr), "eval_loss": ev["eval_loss"], **_facts(tr)}
     # bf16 (forced; slow on a CPU without AMX): FSDP2 casts the all-gathered parameters, reduces in fp32
     cfg = get_preset("fsdp").replace(precision={"dtype": "bf16"})
-    tr = trainer_for(build(0), make_args(out / "bf16", GLOBAL_BATCH // _world(), max_steps=3, save_strategy="no"),
+    tr = trainer_for(build(0), make_args(out / "bf16", GLOBAL_BATCH // world_size(), max_steps=3, save_strategy="no"),
                      cfg, tok, ds)
     tr.train()
     res["strategies"]["bf16"] = {"losses": losses(tr), "precision": tr.speedup_status["precision"].to_dict(),
@@ -272,8 +265,8 @@ def phase_compile(out: Path, rank: int, res: dict) -> None:
 
     tok, ds = data()
     cfg = get_preset("fsdp").replace(compile={"enabled": True, "backend": "inductor"})
-    tr = trainer_for(build(0), make_args(out / "compile", GLOBAL_BATCH // _world(), max_steps=4, save_strategy="no"),
-                     cfg, tok, ds)
+    tr = trainer_for(build(0), make_args(out / "compile", GLOBAL_BATCH // world_size(), max_steps=4,
+                                         save_strategy="no"), cfg, tok, ds)
     tr.train()
     res["compile"] = {"losses": losses(tr), "compile": tr.speedup_status["compile"].to_dict(), **_facts(tr)}
 
@@ -288,7 +281,7 @@ def phase_trap(out: Path, rank: int, res: dict) -> None:
 
     tok, ds = data()
     fsdp_args = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
-    args = make_args(out / "trap", GLOBAL_BATCH // _world(), max_steps=1, save_strategy="no", **fsdp_args)
+    args = make_args(out / "trap", GLOBAL_BATCH // world_size(), max_steps=1, save_strategy="no", **fsdp_args)
     stock = Trainer(model=build(0), args=args, train_dataset=ds, data_collator=causal_lm_collator(tok))
     stock.train()
     info = {"stock_wrapped": type(stock.model_wrapped).__name__, "stock_fsdp_enabled": stock.is_fsdp_enabled}
@@ -298,7 +291,7 @@ def phase_trap(out: Path, rank: int, res: dict) -> None:
     from hf_speedup import SpeedupTrainer
 
     model = build(0)
-    stale = SpeedupTrainer(model=model, args=make_args(out / "stale", GLOBAL_BATCH // _world(), max_steps=1,
+    stale = SpeedupTrainer(model=model, args=make_args(out / "stale", GLOBAL_BATCH // world_size(), max_steps=1,
                                                        save_strategy="no"),
                            train_dataset=ds, data_collator=causal_lm_collator(tok), speedup="fsdp",
                            optimizers=(torch.optim.AdamW(model.parameters(), lr=LR), None))
@@ -308,8 +301,8 @@ def phase_trap(out: Path, rank: int, res: dict) -> None:
     except SpeedupConfigError as exc:
         info["stale_optimizer_error"] = str(exc)
     # a forward before train() (evaluate, a user's check) leaves the head and root units unsharded: still trains
-    early = trainer_for(build(0), make_args(out / "early", GLOBAL_BATCH // _world(), max_steps=1, save_strategy="no"),
-                        "fsdp", tok, ds)
+    early = trainer_for(build(0), make_args(out / "early", GLOBAL_BATCH // world_size(), max_steps=1,
+                                            save_strategy="no"), "fsdp", tok, ds)
     with torch.no_grad():
         early.model(**causal_lm_collator(tok)([ds[i] for i in range(2)]))
     try:
@@ -318,10 +311,6 @@ def phase_trap(out: Path, rank: int, res: dict) -> None:
     except SpeedupConfigError as exc:
         info["forward_before_train"] = {"losses": {}, "error": str(exc)}
     res["trap"] = info
-
-
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def main(argv=None) -> None:
@@ -334,8 +323,8 @@ def main(argv=None) -> None:
     CUDA = ns.cuda
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ.get("RANK", "0"))
-    res: dict = {"rank": rank, "world_size": _world()}
+    rank = this_rank()
+    res: dict = {"rank": rank, "world_size": world_size()}
     for name in ns.phases.split(","):
         globals()[f"phase_{name}"](out, rank, res)
         (out / f"rank{rank}.json").write_text(json.dumps(res, indent=1, default=str))

@@ -23,23 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
-             "TOKENIZERS_PARALLELISM": "false"}.items():
-    os.environ.setdefault(k, v)
-
-GLOBAL_BATCH = 8
-MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-
-
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+from dist_common import GLOBAL_BATCH, MODEL, this_rank, world_size  # first: this checkout importable, the environment
 
 
 def build_trainer(ns, out_dir: Path):
@@ -52,16 +36,16 @@ def build_trainer(ns, out_dir: Path):
         """The test's hand on the run: a self-sent SIGTERM at one step, or a marker and slower steps."""
 
         def on_step_end(self, args, state, control, **kwargs):
-            if ns.kill_at == state.global_step and _rank() == ns.kill_rank:
+            if ns.kill_at == state.global_step and this_rank() == ns.kill_rank:
                 os.kill(os.getpid(), signal.SIGTERM)
             if ns.marker_at is not None and state.global_step >= ns.marker_at:
-                if state.global_step == ns.marker_at and _rank() == 0:
+                if state.global_step == ns.marker_at and this_rank() == 0:
                     (Path(ns.out) / f"{ns.tag}.ready").write_text(str(os.getpid()))
                 time.sleep(ns.slow)
 
     tok = char_tokenizer()
     ds = make_dataset(tok, n=256, seed=0, pack_to=64)
-    args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=GLOBAL_BATCH // _world(),
+    args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=GLOBAL_BATCH // world_size(),
                              max_steps=ns.max_steps, learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True,
                              save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True,
                              hub_token=ns.hub_token)
@@ -92,21 +76,20 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    from hf_speedup.features import interrupt
-    from hf_speedup.features.interrupt import TrainingInterrupted
+    from hf_speedup.features.interrupt import TrainingInterrupted, ranks
 
     if ns.as_if_nccl:
-        interrupt.default_backend = lambda: "nccl"
+        ranks.default_backend = lambda: "nccl"  # where _RankAgreement.create looks it up
 
     trainer = build_trainer(ns, Path(ns.output_dir or out / ns.tag))
-    res: dict = {"rank": _rank(), "world_size": _world(), "exit_status": 0}
+    res: dict = {"rank": this_rank(), "world_size": world_size(), "exit_status": 0}
 
     def record() -> None:
         res["losses"] = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
         res["global_step"] = trainer.state.global_step
         res["interrupt"] = trainer.speedup_status["interrupt"].to_dict()
         res["sigterm_after"] = str(signal.getsignal(signal.SIGTERM))
-        (out / f"{ns.tag}.rank{_rank()}.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / f"{ns.tag}.rank{this_rank()}.json").write_text(json.dumps(res, indent=1, default=str))
 
     try:
         trainer.train(resume_from_checkpoint=True if ns.resume else None)

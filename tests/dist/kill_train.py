@@ -41,27 +41,14 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1",
-             "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}.items():
-    os.environ.setdefault(k, v)
+from dist_common import GLOBAL_BATCH, MODEL, this_rank, world_size  # first: this checkout importable, the environment
 
-GLOBAL_BATCH = 8
-MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per run: the sweep forks many
+
 PRESETS = {  # name -> speedup=; fast keeps compile.when: pays_back, which declines on a 6-step run
     "baseline": "baseline", "auto": "auto", "lora": "lora", "fast": "fast", "fsdp": "fsdp",
     "fast-eager": {"base": "fast", "compile": {"backend": "eager", "when": "always"}},
 }
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 # ------------------------------------------------------------------------------------------ the kill
@@ -199,12 +186,12 @@ def build_trainer(ns, out_dir: Path, from_checkpoint: bool = False):
 
     class Sigterm(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == ns.sigterm_at and _rank() == ns.kill_rank:
+            if state.global_step == ns.sigterm_at and this_rank() == ns.kill_rank:
                 os.kill(os.getpid(), signal.SIGTERM)
 
     tok = char_tokenizer()
     ds = make_dataset(tok, n=256, seed=0, pack_to=64)
-    args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=GLOBAL_BATCH // _world(),
+    args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=GLOBAL_BATCH // world_size(),
                              max_steps=ns.max_steps, learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True,
                              save_strategy="steps", save_steps=ns.save_steps, save_total_limit=ns.save_total_limit,
                              seed=0, dataloader_num_workers=0, disable_tqdm=True)
@@ -239,9 +226,9 @@ def run(ns) -> int:
 
     out = Path(ns.out)
     out_dir = Path(ns.output_dir or out / ns.tag)
-    res: dict = {"rank": _rank(), "tag": ns.tag, "preset": ns.preset, "trainer": ns.trainer, "error": None}
-    writes = Writes(str(out_dir), ns.kill_at if _rank() == ns.kill_rank else None,
-                    ns.kill_where if _rank() == ns.kill_rank else None)
+    res: dict = {"rank": this_rank(), "tag": ns.tag, "preset": ns.preset, "trainer": ns.trainer, "error": None}
+    writes = Writes(str(out_dir), ns.kill_at if this_rank() == ns.kill_rank else None,
+                    ns.kill_where if this_rank() == ns.kill_rank else None)
     trainer = None
     try:
         resume = None
@@ -271,7 +258,7 @@ def run(ns) -> int:
     if status is not None and "crash_safe" in status:
         res["crash_safe"] = status["crash_safe"].to_dict()
     res["files"] = sorted(str(p.relative_to(out_dir)) for p in out_dir.rglob("*")) if out_dir.is_dir() else []
-    (out / f"{ns.tag}.rank{_rank()}.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / f"{ns.tag}.rank{this_rank()}.json").write_text(json.dumps(res, indent=1, default=str))
     import torch.distributed as dist
 
     if dist.is_initialized() and not res["error"]:

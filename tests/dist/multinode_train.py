@@ -28,12 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fsdp_train as F  # noqa: E402  (the tiny model, the data, the arguments of the FSDP runs)
+from dist_common import this_rank, world_size  # noqa: E402
 
 STATE_KEYS = ("model", "optimizer", "scheduler")
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def _attempt() -> int:
@@ -52,7 +49,7 @@ def full_state(trainer) -> dict | None:
     state = {"model": get_model_state_dict(model, options=options),
              "optimizer": get_optimizer_state_dict(model, compat.unwrap_optimizer(trainer.optimizer), options=options),
              "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else {}}
-    if _rank() != 0:
+    if this_rank() != 0:
         return None
     return torch.utils._pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, state)
 
@@ -81,21 +78,20 @@ def build_trainer(ns, out: Path):
                 _dump(holder["trainer"], out / f"{ns.tag}.saved-{state.global_step}.pt")
 
         def on_step_end(self, args, state, control, **kwargs):
-            if ns.crash_at == state.global_step and _rank() == ns.crash_rank and _attempt() == 0:
+            if ns.crash_at == state.global_step and this_rank() == ns.crash_rank and _attempt() == 0:
                 (out / f"{ns.tag}.crashed").write_text(str(state.global_step))
                 os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a node failure: no handler runs
             if ns.marker_at is not None and state.global_step >= ns.marker_at:
-                if state.global_step == ns.marker_at and _rank() == 0:
+                if state.global_step == ns.marker_at and this_rank() == 0:
                     (out / f"{ns.tag}.ready").write_text(str(os.getpid()))
                 time.sleep(ns.slow)
 
     tok, ds = F.data()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     output_dir = Path(ns.output_dir) if ns.output_dir else out / ns.tag
-    args = F.make_args(output_dir, F.GLOBAL_BATCH // world, max_steps=ns.max_steps, save_steps=ns.save_steps)
+    args = F.make_args(output_dir, F.GLOBAL_BATCH // world_size(), max_steps=ns.max_steps, save_steps=ns.save_steps)
     config = get_preset("fsdp").replace(fsdp={"strategy": ns.strategy})
     # each rank (and a resumed run) starts from other weights: what it trains with comes from rank 0 or a checkpoint
-    model = F.build(seed=_rank() + (10 if _resume(ns, output_dir) else 0))
+    model = F.build(seed=this_rank() + (10 if _resume(ns, output_dir) else 0))
     trainer = F.trainer_for(model, args, config, tok, ds)
     trainer.add_callback(Hands())
     trainer.speedup_callback.print_tables = False
@@ -158,9 +154,9 @@ def main(argv=None) -> int:
     trainer = build_trainer(ns, out)
     env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                                           "TORCHELASTIC_RESTART_COUNT", "TEST_NODE", "SLURM_NODEID", "SLURM_PROCID")}
-    res: dict = {"rank": _rank(), "env": env, "exit_status": 0}
+    res: dict = {"rank": this_rank(), "env": env, "exit_status": 0}
     resume = _resume(ns, trainer.args.output_dir)
-    if ns.kill_where and _rank() == ns.kill_rank:
+    if ns.kill_where and this_rank() == ns.kill_rank:
         from kill_train import Writes
 
         Writes(trainer.args.output_dir, kill_where=ns.kill_where).install()
@@ -174,7 +170,7 @@ def main(argv=None) -> int:
                **_mesh_facts(trainer))
     if ns.final_save and res["exit_status"] == 0:
         _final_save(trainer, out / f"{ns.tag}.final", res)
-    (out / f"{ns.tag}.rank{_rank()}.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / f"{ns.tag}.rank{this_rank()}.json").write_text(json.dumps(res, indent=1, default=str))
     import torch.distributed as dist
 
     if dist.is_initialized():

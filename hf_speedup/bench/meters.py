@@ -1,0 +1,75 @@
+"""What a bench worker measures besides time: the tokens of each optimizer step, counted as the trainer's
+``training_step`` receives its batches, and on CPU one step's live tensor bytes under torch's MemTracker."""
+
+from __future__ import annotations
+
+from ..report.measure import attention_length, batch_counts
+from ..report.measure.memory_watch import NoHook
+
+
+class TokenMeter:
+    """Non-padding tokens per optimizer step, as the trainer's ``training_step`` receives its batches."""
+
+    def __init__(self) -> None:
+        self.current: list = []
+        self.steps: list[list] = []
+
+    def add(self, inputs) -> None:
+        self.current.append(batch_counts(inputs))  # the report's own counting, on the device (no sync)
+
+    def close_step(self) -> None:
+        self.steps.append(self.current)
+        self.current = []
+
+    def per_step(self) -> list[int]:
+        return [int(sum(int(x[0]) for x in parts)) for parts in self.steps]
+
+    def attention_length(self) -> float | None:
+        """S of the FLOPs formula over every step: sum(L_i^2) / sum(L_i) of the sequences trained on."""
+        counts = [x for parts in self.steps for x in parts]
+        return attention_length(sum(int(x[2]) for x in counts), sum(int(x[3]) for x in counts)) if counts else None
+
+
+class MemoryProbe:
+    """CPU: live tensor bytes of one step as torch's MemTracker counts them (parameters, gradients,
+    optimizer state, activations, temporaries). Under its dispatch mode torch.compile steps aside, so the
+    tracked step runs eager: compiled variants show their eager footprint."""
+
+    def __init__(self) -> None:
+        self.tracker = None
+        self.peak_bytes: int | None = None
+        self.breakdown: dict = {}
+        self.error: str | None = None
+
+    def start(self, model, optimizer) -> None:
+        try:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            from ..compat import unwrap_optimizer
+
+            self.tracker = MemTracker()
+            # MemTracker puts a gradient hook on every parameter, which torch refuses for frozen ones (LoRA's
+            # base): mark those as hooked already, with a handle that removes nothing.
+            for param in model.parameters():
+                if not param.requires_grad:
+                    self.tracker._param_to_grad_hook_handles[param] = (NoHook(), NoHook())
+            self.tracker.track_external(model, unwrap_optimizer(optimizer) if optimizer is not None else None)
+            self.tracker.__enter__()
+        except Exception as exc:  # the measurement must never break the benchmark; say why instead
+            self.tracker, self.error = None, f"MemTracker could not start: {exc!r}"
+
+    def stop(self) -> None:
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.__exit__(None, None, None)
+            peak = self.tracker.get_tracker_snapshot("peak")
+            self.peak_bytes = int(sum(v.get("Total", 0) for v in peak.values()))
+            for per_device in peak.values():
+                for key, value in per_device.items():
+                    name = str(getattr(key, "name", key)).lower()
+                    if name != "total":
+                        self.breakdown[name] = self.breakdown.get(name, 0) + int(value)
+        except Exception as exc:
+            self.error = f"MemTracker failed: {exc!r}"
+        self.tracker = None
