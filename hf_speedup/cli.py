@@ -117,6 +117,21 @@ def _cmd_demo(ns) -> int:
     return 0
 
 
+def _deepspeed_args(ns, caps):
+    """TrainingArguments carrying ``--deepspeed`` (None without it), as a run launched with that config has them."""
+    if not getattr(ns, "deepspeed", None):
+        return None
+    import os
+
+    if not os.path.isfile(ns.deepspeed):
+        raise CliError(f"estimate --deepspeed {ns.deepspeed!r}: no such file; fix: a DeepSpeed JSON config, e.g. "
+                       "configs/deepspeed/zero3.json")
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir="hf_speedup_estimate", deepspeed=ns.deepspeed, report_to=[],
+                             use_cpu=caps.device_type == "cpu")
+
+
 def _cmd_estimate(ns) -> int:
     """The breakdown table, whether it fits this device (or --memory), and the cheapest change that would."""
     import json
@@ -149,7 +164,7 @@ def _cmd_estimate(ns) -> int:
     if ns.nodes is not None:
         return _scaling_plan(ns, described, config, caps, memory if ns.memory or caps.device_type == "cuda" else None)
     kw = dict(batch_size=ns.batch_size, seq_len=ns.seq_len, world_size=ns.world_size,
-              gradient_accumulation_steps=ns.grad_accum, caps=caps, padded=ns.padded)
+              gradient_accumulation_steps=ns.grad_accum, caps=caps, padded=ns.padded, args=_deepspeed_args(ns, caps))
     est = estimate_described(described, config, **kw)
     where = "--memory" if ns.memory else f"this device's memory, {caps.device_name}"
     lines = [f"hf_speedup estimate: {described[0].architecture} ({fmt_params(described[0].total_parameters)} "
@@ -269,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     s.add_argument("--memory", help="memory to fit in, e.g. 80GB or 24GiB (default: this device's memory)")
     s.add_argument("--padded", action="store_true", help="batches carry a padding mask (no packing)")
+    s.add_argument("--deepspeed", metavar="CONFIG.json", help="a DeepSpeed config (e.g. configs/deepspeed/zero3.json): "
+                   "per-rank memory under its ZeRO stage, over --world-size processes")
     s.add_argument("--cpu", action="store_true", help="for a run on this machine's CPU (TrainingArguments use_cpu, "
                                                       "accelerate launch --cpu) though it has a GPU")
     s.add_argument("--json", action="store_true", help="the estimate as JSON")

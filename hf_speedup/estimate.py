@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .config import SpeedupConfig, SpeedupConfigError
-from .features.memory.budget import training_setup
+from .features.memory.budget import training_setup, zero_note
 from .hardware import Capabilities, probe
 from .loading import load_kwargs
 from .memory_model import MemoryEstimate, estimate, fmt_bytes
@@ -148,6 +148,8 @@ def estimate_described(described: tuple[ModelInfo, bool], cfg: SpeedupConfig, *,
                               gather_bytes=setup.compute_bytes if setup.compute_bytes < setup.weight_bytes else 0)
         notes.append(f"FSDP {cfg.fsdp.strategy} over {world_size} ranks (shard groups of {group}) modelled as "
                      f"configured (this process, outside a launcher, plans no sharding: {plan['fsdp'].reason})")
+    if plan["deepspeed"].active:
+        notes.append(zero_note(plan["deepspeed"].settings, world_size))
     # what the plan could not do here (QLoRA without CUDA -> LoRA, 8-bit -> fused AdamW, ...) is what is estimated
     notes += [f"{name}: {fb} (estimated as planned here)" for name, d in plan.decisions.items() for fb in d.fallbacks]
     result = estimate(info.shape, setup)

@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from .sections import (AUTO, INTERRUPT_SIGNALS, SECTIONS, AttentionSettings, CheckpointingSettings, CompileSettings,
-                       CrashSafeSettings, DataSettings, FsdpSettings, InterruptSettings, LigerSettings, LoraSettings,
-                       LossSettings, MemorySettings, OptimizerSettings, PrecisionSettings, ProfileSettings,
-                       ReportSettings)
+                       CrashSafeSettings, DataSettings, DeepSpeedSettings, FsdpSettings, InterruptSettings,
+                       LigerSettings, LoraSettings, LossSettings, MemorySettings, OptimizerSettings, PrecisionSettings,
+                       ProfileSettings, ReportSettings)
 from .validate import (BOOLS, CHOICES, NON_NEGATIVE_INTS, OPTIONAL_BOOLS, OPTIONAL_NON_NEGATIVE_INTS,
                        OPTIONAL_POSITIVE_INTS, POSITIVE_INTS, SpeedupConfigError, _check_field, _fmt, _unknown,
                        budget_problem, parse_size, report_path_problem)
 
 __all__ = [
-    "AUTO", "AttentionSettings", "BOOLS", "CHOICES", "CheckpointingSettings", "CompileSettings", "CrashSafeSettings",
+    "AUTO", "AttentionSettings", "BOOLS", "CHOICES", "CheckpointingSettings", "CompileSettings", "CrashSafeSettings", "DeepSpeedSettings",
     "DataSettings", "FsdpSettings", "INTERRUPT_SIGNALS", "InterruptSettings", "LigerSettings", "LoraSettings",
     "LossSettings", "MemorySettings", "NON_NEGATIVE_INTS", "OPTIONAL_BOOLS", "OPTIONAL_NON_NEGATIVE_INTS",
     "OPTIONAL_POSITIVE_INTS", "OptimizerSettings", "POSITIVE_INTS", "PrecisionSettings", "ProfileSettings",
@@ -53,6 +53,7 @@ class SpeedupConfig:
     interrupt: InterruptSettings = field(default_factory=InterruptSettings)
     report: ReportSettings = field(default_factory=ReportSettings)
     crash_safe: CrashSafeSettings = field(default_factory=CrashSafeSettings)
+    deepspeed: DeepSpeedSettings = field(default_factory=DeepSpeedSettings)
 
     # ----------------------------------------------------------------- validation
     def problems(self) -> list[str]:

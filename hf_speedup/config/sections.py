@@ -145,6 +145,13 @@ class CrashSafeSettings:
 
 
 @dataclass
+class DeepSpeedSettings:
+    """How the plan meets a DeepSpeed config the run is given (the config itself is the user's, never edited)."""
+
+    strict: bool = False  # raise where the preset and the DeepSpeed config disagree, instead of adapting the plan
+
+
+@dataclass
 class AttentionSettings:
     """The attention kernel (``config._attn_implementation``), chosen per device, dtype and packing."""
 
@@ -188,4 +195,5 @@ SECTIONS: dict[str, type] = {
     "interrupt": InterruptSettings,
     "report": ReportSettings,
     "crash_safe": CrashSafeSettings,
+    "deepspeed": DeepSpeedSettings,
 }

@@ -56,7 +56,7 @@ BOOLS = {
     "memory.cpu_reuse_freed", "lora.enabled", "lora.strict", "fsdp.enabled", "fsdp.cpu_offload",
     "fsdp.cpu_ram_efficient_loading", "profile.enabled", "profile.record_shapes", "profile.profile_memory",
     "profile.with_stack", "profile.memory_snapshot", "attention.strict", "report.trackers", "report.console",
-    "crash_safe.enabled",
+    "crash_safe.enabled", "deepspeed.strict",
 }
 OPTIONAL_BOOLS = {"data.pin_memory", "data.persistent_workers", "data.drop_last", "data.packing"}
 

@@ -36,7 +36,8 @@ Every feature module defines:
 ``runner.Speedup`` drives these hooks for every trainer class and the stock-Trainer helpers; no trainer names a
 feature.
 
-The order below is the order of decisions and of application (LoRA wraps before blocks are
+The order below is the order of decisions and of application (DeepSpeed first: a user's DeepSpeed config is read
+before anything adapts to it; LoRA wraps before blocks are
 checkpointed and compiled; FSDP decides before checkpointing so it is done only once; the chunked loss
 reads the compile and FSDP decisions; profile comes last so it labels the loss function finally in place;
 data decides before attention and compile: padding-free rows choose the kernel and a dynamic sequence dimension;
@@ -51,11 +52,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import (attention, checkpointing, compile, crash_safe, data, fsdp, interrupt, liger, lora, loss, memory,
-               optimizer, precision, profile)
+from . import (attention, checkpointing, compile, crash_safe, data, deepspeed, fsdp, interrupt, liger, lora, loss,
+               memory, optimizer, precision, profile)
 
-FEATURES = (precision, lora, fsdp, checkpointing, data, attention, compile, optimizer, memory, liger, loss, profile,
-            interrupt, crash_safe)
+FEATURES = (deepspeed, precision, lora, fsdp, checkpointing, data, attention, compile, optimizer, memory, liger, loss,
+            profile, interrupt, crash_safe)
 
 
 @dataclass

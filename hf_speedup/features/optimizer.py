@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from ..compat import unwrap_optimizer
 from ..config import SpeedupConfigError
 from ..plan_types import Decision, Outcome, PlanContext
+from .deepspeed import adapted, engine, zero_stage
 from .explicit_args import users_choice
 from .fallback import walk_chain
 
@@ -155,7 +156,15 @@ def _users_optim(ctx: PlanContext) -> tuple[str, str, str, list[str], bool] | No
 
 def decide(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.optimizer, ctx.caps
-    resolved = _users_optim(ctx) or _resolve(s, caps, args_optim(ctx.args), shards_with_fsdp2(ctx))
+    if (deepspeeds := engine(ctx)).optimizer and zero_stage(ctx) is not None:
+        return Decision(NAME, requested=s.name, applied=f"deepspeed:{deepspeeds.optimizer}",
+                        reason=f"the DeepSpeed config's own optimizer ({deepspeeds.optimizer}) steps: "
+                               f"{deepspeeds.source} is an explicit choice, the preset's optimizer is not planned",
+                        settings=Settings(optim=args_optim(ctx.args) or _default_optim(), keep=True))
+    users = _users_optim(ctx)
+    resolved = users or _resolve(s, caps, args_optim(ctx.args), shards_with_fsdp2(ctx))
+    if zero_stage(ctx) is not None and any(tag in resolved[1] for tag in BNB_OPTIMS):
+        resolved = _under_zero(ctx, resolved, users is not None)
     applied, hf_name, reason, fallbacks, keep = resolved
     if hf_name in ("adamw_bnb_8bit", "paged_adamw_8bit"):
         reason += "; embeddings keep 32-bit state (transformers registers that override)"
@@ -163,6 +172,23 @@ def decide(ctx: PlanContext) -> Decision:
         logger.warning("hf_speedup optimizer fallback: %s", fb)
     return Decision(NAME, requested=s.name, applied=applied, reason=reason,
                     settings=Settings(optim=hf_name, keep=keep), fallbacks=tuple(fallbacks))
+
+
+ZERO_8BIT = ("ZeRO flattens the parameters into partitions it steps itself, and already splits the optimizer state "
+             "across processes: bitsandbytes' 8-bit state (and the 32-bit override transformers registers for the "
+             "embeddings by parameter) has no place there")
+
+
+def _under_zero(ctx: PlanContext, resolved: tuple, users: bool) -> tuple:
+    """A bitsandbytes 8-bit optimizer under ZeRO: the user's own is refused with the fix; a preset's gives way to
+    fused AdamW (where it runs), stated."""
+    if users:
+        raise SpeedupConfigError([f"TrainingArguments.optim = {resolved[1]!r} under DeepSpeed ZeRO: {ZERO_8BIT}; "
+                                  "allowed: a torch optimizer, or an optimizer block in the DeepSpeed config; fix: "
+                                  "drop optim from TrainingArguments (the preset picks fused AdamW)"])
+    why = adapted(ctx, "optimizer.name", ctx.config.optimizer.name, ZERO_8BIT, "optimizer.name: adamw_fused")
+    name, fallbacks = _walk_chain("adamw_fused", ctx.caps, False, shards_with_fsdp2(ctx))
+    return name, TO_HF[name], f"{why} -> {name}: {_why(name, ctx.caps)}", [why, *fallbacks], False
 
 
 # --------------------------------------------------------------------------------------------- apply
@@ -224,6 +250,8 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if getattr(trainer, "optimizer", None) is None:
         return False, "optimizer not created yet (the Trainer builds it at train start; re-verified then)"
     kind, text = describe(unwrap_optimizer(trainer.optimizer))
+    if decision.applied.startswith("deepspeed:"):  # the DeepSpeed config's optimizer: whatever class it made
+        return bool(getattr(trainer, "is_deepspeed_enabled", False)), f"DeepSpeed steps {text}"
     want = KIND.get(decision.applied)
     if decision.settings.keep or want is None:
         return kind in ("fused", "8bit", "paged_8bit"), f"{text} in force (the TrainingArguments' own choice)"

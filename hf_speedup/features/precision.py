@@ -29,6 +29,7 @@ from ..compat import set_tf32, tf32_matmul_state
 from ..config import SpeedupConfigError
 from ..dtypes import short_name, to_dtype
 from ..plan_types import Decision, Outcome, PlanContext
+from .deepspeed import adapted, engine
 from .explicit_args import users_choice
 from .fallback import walk_chain
 
@@ -222,6 +223,11 @@ def _decide_tf32(s, caps, args) -> tuple[bool | None, str, list[str]]:
 def decide(ctx: PlanContext) -> Decision:
     s, caps, args = ctx.config.precision, ctx.caps, ctx.args
     dtype, reason, fallbacks = _decide_dtype(s, caps, args)
+    if (enabled := engine(ctx).precision) and s.dtype != "keep" and dtype != enabled:
+        why = adapted(ctx, "precision.dtype", s.dtype, f"the DeepSpeed config enables {enabled} explicitly (its "
+                      "bf16/fp16 block), and transformers refuses TrainingArguments that disagree with it",
+                      f"precision.dtype: {enabled}, or 'auto' in the config's {enabled}.enabled")
+        dtype, reason, fallbacks = enabled, f"{why} -> {enabled}", [*fallbacks, why]
     tf32, tf32_reason, tf32_fallbacks = _decide_tf32(s, caps, args)
     cudnn_benchmark = caps.device_type == "cuda" and s.tf32 != "keep"
     notes = [reason, tf32_reason] + (["cudnn.benchmark on"] if cudnn_benchmark else [])

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...plan_types import OFF, Decision, PlanContext
+from ..deepspeed import adapted, zero_stage
 from .payback import PAYBACK, compile_cost_text
 
 NAME = "compile"
@@ -46,6 +47,11 @@ def decide(ctx: PlanContext) -> Decision:
     explicit = requested is True
     if requested is False:
         return _off(requested, "compile.enabled = false", settings)
+    if zero_stage(ctx) == 3:
+        why = adapted(ctx, "compile.enabled", requested, "ZeRO-3 gathers each block's parameters in module hooks, which "
+                      "regional compile would trace into and recompile at every gather (ZeRO-1/2 leave the modules "
+                      "alone and compile as usual); the blocks run eager", "compile.enabled: false, or ZeRO stage 2")
+        return _off(requested, why, settings, [f"compile: {why}"] if explicit else [])
     if ctx.args is not None and getattr(ctx.args, "torch_compile", False):
         return _off(requested, "TrainingArguments.torch_compile=True: the stock Trainer compiles the whole model; "
                     "left alone, regional compile skipped so nothing is compiled twice", settings)

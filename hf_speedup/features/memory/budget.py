@@ -48,6 +48,32 @@ def _settings(decisions: Mapping[str, Decision], name: str):
     return d.settings if d is not None and d.active else None
 
 
+def zero_sharding(ds, world_size: int) -> dict | None:
+    """DeepSpeed ZeRO in the memory model's sharding terms: ZeRO-2 keeps the weights whole and shards gradients
+    and optimizer state (FSDP's ``shard_grad_op``), ZeRO-3 shards all three (``full_shard``, gathered in the
+    weights' own dtype), both offloads under ZeRO-3 keep none of them on the device. None where it does not map
+    (ZeRO-0/1, one offload alone: :func:`zero_note` says so)."""
+    if ds is None or ds.stage not in (2, 3):
+        return None
+    both = ds.stage == 3 and bool(ds.offload_optimizer and ds.offload_param)
+    return dict(fsdp="shard_grad_op" if ds.stage == 2 else "full_shard", shard_group=max(1, world_size),
+                cpu_offload=both, gather_bytes=0)
+
+
+def zero_note(ds, world_size: int) -> str:
+    """How the estimate models the DeepSpeed config (and what it leaves out)."""
+    if zero_sharding(ds, world_size) is None:
+        return (f"DeepSpeed ZeRO-{ds.stage}: not modelled (estimated unsharded; ZeRO-1 would split the optimizer "
+                f"state over {world_size} ranks)")
+    what = "gradients and optimizer state" if ds.stage == 2 else "weights, gradients and optimizer state"
+    note = f"DeepSpeed ZeRO-{ds.stage}: {what} split over {world_size} ranks"
+    if zero_sharding(ds, world_size)["cpu_offload"]:
+        note += "; all three offloaded to the CPU (none on the device)"
+    elif ds.offload_optimizer or ds.offload_param:
+        note += "; one offload alone is not modelled (estimated on the device)"
+    return note
+
+
 def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *, micro_batch: int, seq_len: int,
                    grad_accum: int = 1, weight_bytes: int | None = None, padded: bool = False,
                    chunked: bool | None = None, chunk_tokens: int = 1024) -> TrainingSetup:
@@ -83,6 +109,8 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
     if fs is not None:
         gather = fs.mixed_precision.param_dtype.itemsize if fs.mixed_precision is not None else 0
         fsdp = dict(fsdp=fs.strategy, shard_group=fs.mesh.shape[-1], cpu_offload=fs.cpu_offload, gather_bytes=gather)
+    elif (zero := zero_sharding(_settings(decisions, "deepspeed"), caps.world_size)) is not None:
+        fsdp = zero
     return TrainingSetup(
         micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, weight_bytes=wb, compute_bytes=compute,
         lora=lora, checkpointed=blocks, optimizer=kind, chunked_loss=chunked, chunk_tokens=chunk_tokens,
