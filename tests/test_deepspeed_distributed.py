@@ -3,7 +3,8 @@ auto, fast, memory and lora on the same tiny model, data and shipped DeepSpeed c
 stock Trainer's losses (lora: its own, falling), the report names DeepSpeed with the engine's live stage and, under
 ZeRO-3, every parameter partitioned; compile stays off under ZeRO-3 with no graph break or recompile. Each preset
 also saves every 2 steps (crash-safe: staged, then renamed into place; DeepSpeed's per-rank ``global_step*``
-layout inside) and a second trainer resumes from checkpoint-2 with the uninterrupted run's losses, bit for bit."""
+layout inside) and a second trainer resumes from checkpoint-2 with the uninterrupted run's losses, bit for bit.
+A rank killed inside its part of a save, and a signal to one rank, leave checkpoints resume can trust."""
 
 from __future__ import annotations
 
@@ -65,3 +66,60 @@ def test_presets_train_under_zero_as_the_stock_trainer_does(stage, tmp_path, tor
     assert len(lora) == 4 and lora[-1] < lora[0]
     if stage == 2:  # ZeRO-2 leaves the modules alone: fast's regional compile stays planned
         assert results["fast"]["plan"]["compile"]["applied"].startswith("blocks:"), results["fast"]["plan"]["compile"]
+
+
+def _kill_train(tmp_path, stage: int, env: dict):
+    """(launch kill_train.py under the shipped ZeRO config with these options, read a rank's result file)."""
+    def run(tag: str, *extra: str, check: bool = True):
+        return launch([executable("torchrun"), "--standalone", "--nproc_per_node", "2", str(DIST / "kill_train.py"),
+                       "--out", str(tmp_path), "--tag", tag, "--preset", "auto", "--deepspeed",
+                       str(ROOT / "configs" / "deepspeed" / f"zero{stage}.json"), *extra], env=env, check=check)
+
+    def result(tag: str, rank: int) -> dict | None:
+        path = tmp_path / f"{tag}.rank{rank}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    return run, result
+
+
+def test_a_rank_killed_inside_its_deepspeed_save_leaves_no_checkpoint_that_resume_picks(tmp_path, torch_extensions):
+    """ZeRO-3 writes one file per rank (``global_step4/zero_pp_rank_R_*``): rank 1 SIGKILLed inside its own leaves no
+    checkpoint-4 (the save was staged), and the requeued job resumes from checkpoint-2 to the uninterrupted run's
+    losses and step, bit for bit."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    run, result = _kill_train(tmp_path, 3, torch_extensions)
+    run("whole")
+    whole = result("whole", 0)
+    run_dir = tmp_path / "run"
+    killed = run("killed", "--output-dir", str(run_dir), "--kill-rank", "1", "--kill-where",
+                 r"checkpoint-4/global_step4/zero_pp_rank_1", check=False)
+    assert killed.returncode != 0 and result("killed", 1) is None  # rank 1 died inside its write
+    assert not (run_dir / "checkpoint-4").exists()
+    assert get_last_checkpoint(str(run_dir)).endswith("checkpoint-2")
+    run("resumed", "--output-dir", str(run_dir), "--resume")
+    for rank in (0, 1):
+        res = result("resumed", rank)
+        assert res["error"] is None, res["error"]
+        assert res["crash_safe"]["settings"]["resumed_from"].endswith("checkpoint-2")
+        assert res["global_step"] == whole["global_step"] == 8
+        assert res["losses"] == whole["losses"], rank
+    assert (run_dir / "checkpoint-8" / "global_step8").is_dir()
+
+
+def test_a_signal_on_one_rank_under_zero2_checkpoints_the_step_and_resumes(tmp_path, torch_extensions):
+    """SIGTERM to rank 1 at step 3 (a preemption notice): both ranks stop after step 3 with a checkpoint of it (the
+    interrupt feature; DeepSpeed's per-rank files inside), exit 143, and the requeued job resumes from checkpoint-3
+    to the uninterrupted run's losses, bit for bit."""
+    run, result = _kill_train(tmp_path, 2, torch_extensions)
+    run("whole")
+    run_dir = tmp_path / "run"
+    run("stopped", "--output-dir", str(run_dir), "--sigterm-at", "3", "--kill-rank", "1")
+    for rank in (0, 1):
+        stopped = result("stopped", rank)
+        assert stopped["error"] is None and stopped["exit_status"] == 143 and stopped["global_step"] == 3, stopped
+    assert (run_dir / "checkpoint-3" / "global_step3").is_dir()
+    run("resumed", "--output-dir", str(run_dir), "--resume")
+    resumed, whole = result("resumed", 0), result("whole", 0)
+    assert resumed["crash_safe"]["settings"]["resumed_from"].endswith("checkpoint-3")
+    assert resumed["losses"] == whole["losses"] and resumed["global_step"] == 8

@@ -194,7 +194,7 @@ def build_trainer(ns, out_dir: Path, from_checkpoint: bool = False):
     args = TrainingArguments(output_dir=str(out_dir), per_device_train_batch_size=GLOBAL_BATCH // world_size(),
                              max_steps=ns.max_steps, learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True,
                              save_strategy="steps", save_steps=ns.save_steps, save_total_limit=ns.save_total_limit,
-                             seed=0, dataloader_num_workers=0, disable_tqdm=True)
+                             seed=0, dataloader_num_workers=0, disable_tqdm=True, deepspeed=ns.deepspeed)
     # a resumed run starts from other weights (LoRA: the same base, other adapters): they must come from the
     # checkpoint; a requeued job that finds no checkpoint starts afresh, as the first run did
     lora = "lora" in ns.preset
@@ -428,6 +428,7 @@ def main(argv=None) -> int:
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL inside the K-th write into output_dir")
     p.add_argument("--kill-where", default=None, help="SIGKILL inside the first write whose path matches REGEX")
     p.add_argument("--kill-rank", type=int, default=0)
+    p.add_argument("--deepspeed", default=None, help="a DeepSpeed config: train under it (its per-rank checkpoints)")
     p.add_argument("--record", action="store_true", help="count the writes (no kill)")
     p.add_argument("--sigterm-at", type=int, default=None, help="SIGTERM to itself at the end of this step")
     p.add_argument("--points", default="all",
