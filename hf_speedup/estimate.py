@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .config import SpeedupConfig, SpeedupConfigError
-from .features.memory.budget import training_setup, zero_note
+from .features.deepspeed import zero_note
+from .features.memory.budget import training_setup
 from .hardware import Capabilities, probe
 from .loading import load_kwargs
 from .memory_model import MemoryEstimate, estimate, fmt_bytes

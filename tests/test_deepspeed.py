@@ -35,7 +35,7 @@ def test_each_shipped_config_is_read_and_named(name, applied, make_args, tiny_mo
     config = json.loads(path.read_text())
     d = plan_for("auto", fake_caps(**CPU_NO_BF16), tiny_model, ds_args(make_args, path))["deepspeed"]
     assert d.applied == applied and d.settings.stage == config["zero_optimization"]["stage"]
-    assert d.reason.startswith(f"TrainingArguments.deepspeed: ZeRO stage {d.settings.stage}")
+    assert d.reason.startswith(f"TrainingArguments.deepspeed ({path}): ZeRO stage {d.settings.stage}")
     assert ("cpu" in d.reason) == name.endswith("offload") == d.settings.offloaded
 
 
@@ -209,3 +209,36 @@ def test_the_cli_estimates_a_deepspeed_config(capsys):
     assert "note: DeepSpeed ZeRO-2: gradients and optimizer state split over 4 ranks" in capsys.readouterr().out
     assert main(["estimate", "--tiny", "--seq-len", "64", "--deepspeed", "missing.json"]) == 2
     assert "estimate --deepspeed 'missing.json': no such file; fix:" in capsys.readouterr().err
+
+
+def test_memory_budget_keeps_a_batch_the_deepspeed_config_fixes(tmp_path):
+    """memory.budget trades micro-batch for accumulation through TrainingArguments; where the DeepSpeed config sets
+    the batch itself (no "auto") transformers would refuse the changed arguments, so the budget keeps the user's
+    micro-batch and reaches the budget by its other levels."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+
+    from hf_speedup.model_info import describe_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=1024, intermediate_size=4096,
+                                                             num_hidden_layers=8, num_attention_heads=8,
+                                                             num_key_value_heads=8, vocab_size=32000))
+    info = describe_model(model)
+    caps = fake_caps(**CUDA_H100, memory_bytes=85_000_000_000)
+
+    def fit(batch, budget):
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=8,
+                                 deepspeed=zero(2, **batch))
+        return plan_for({"memory": {"budget": budget, "seq_len": 2048}}, caps, info, args)["memory"].settings.budget
+
+    free = fit({"train_micro_batch_size_per_gpu": "auto"}, "5GB")
+    assert free.micro_batch is not None and free.micro_batch < 8  # "auto": the budget may split the batch
+    with pytest.raises(SpeedupConfigError, match=r"memory.budget = '5GB' .* micro-batch 8, needs"):
+        fit({"train_micro_batch_size_per_gpu": 8}, "5GB")  # nothing at the fixed batch fits: refused, as ever
+    fixed = fit({"train_micro_batch_size_per_gpu": 8}, "10GB")
+    assert fixed.changed and fixed.micro_batch is None  # fitted by its other levels, the batch kept
+    tried = [s for s in fixed.steps if not s.skipped]
+    assert {s.micro_batch for s in tried} == {8}
+    skipped = {s.level: s.skipped for s in fixed.steps if s.skipped}
+    assert "under DeepSpeed ZeRO-2" in skipped.get("+ 8-bit AdamW states", "")  # not tried where it cannot run

@@ -36,6 +36,7 @@ class Settings:
     optimizer: str | None = None  # the config's own optimizer type: it steps instead of the Trainer's
     precision: str | None = None  # "bf16"/"fp16" the config enables explicitly (None: "auto" or off)
     source: str = ""  # where the config came from
+    fixed_batch: bool = False  # the config sets the batch itself (not "auto"): memory.budget keeps it
 
     @property
     def offloaded(self) -> bool:
@@ -44,15 +45,15 @@ class Settings:
 
 def engine_config(args: Any) -> tuple[dict | None, str]:
     """(the DeepSpeed config, where it came from), or (None, "") when the run does not use DeepSpeed."""
-    hf_config = getattr(args, "hf_deepspeed_config", None)
-    if hf_config is not None:
-        return dict(hf_config.config), "TrainingArguments.deepspeed"
-    given = getattr(args, "deepspeed", None)
+    given = getattr(args, "deepspeed", None)  # as the user wrote it ("auto" values unfilled)
     if isinstance(given, dict):
         return given, "TrainingArguments.deepspeed"
     if isinstance(given, (str, os.PathLike)) and os.path.isfile(given):
         with open(given) as f:
             return json.load(f), f"TrainingArguments.deepspeed ({os.fspath(given)})"
+    hf_config = getattr(args, "hf_deepspeed_config", None)  # a JSON string, or a config object of its own
+    if hf_config is not None:
+        return dict(hf_config.config), "TrainingArguments.deepspeed"
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
         path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
         if path and os.path.isfile(path):
@@ -71,8 +72,10 @@ def _settings(config: dict, source: str) -> Settings:
     zero = config.get("zero_optimization") or {}
     offload = {key: (zero.get(key) or {}).get("device") for key in ("offload_optimizer", "offload_param")}
     precision = next((p for p in ("bf16", "fp16") if (config.get(p) or {}).get("enabled") is True), None)
+    fixed = any(config.get(k, "auto") != "auto" for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                             "gradient_accumulation_steps"))
     return Settings(stage=int(zero.get("stage", 0)), optimizer=(config.get("optimizer") or {}).get("type"),
-                    precision=precision, source=source,
+                    precision=precision, source=source, fixed_batch=fixed,
                     **{k: (v if v not in (None, "none") else None) for k, v in offload.items()})
 
 
@@ -163,3 +166,30 @@ def adapted(ctx: PlanContext, field: str, asked: Any, why: str, fix: str) -> str
         raise SpeedupConfigError([f"{field} = {asked!r} under DeepSpeed ({engine(ctx).source}): {why}; allowed: what "
                                   f"the DeepSpeed config allows; fix: {fix}, or deepspeed.strict: false to adapt"])
     return f"{field}={asked!r} -> adapted to DeepSpeed: {why}"
+
+
+# the memory model's view of the config (the estimate, memory.budget)
+def zero_sharding(ds, world_size: int) -> dict | None:
+    """DeepSpeed ZeRO in the memory model's sharding terms: ZeRO-2 keeps the weights whole and shards gradients
+    and optimizer state (FSDP's ``shard_grad_op``), ZeRO-3 shards all three (``full_shard``, gathered in the
+    weights' own dtype), both offloads under ZeRO-3 keep none of them on the device. None where it does not map
+    (ZeRO-0/1, one offload alone: :func:`zero_note` says so)."""
+    if ds is None or ds.stage not in (2, 3):
+        return None
+    both = ds.stage == 3 and bool(ds.offload_optimizer and ds.offload_param)
+    return dict(fsdp="shard_grad_op" if ds.stage == 2 else "full_shard", shard_group=max(1, world_size),
+                cpu_offload=both, gather_bytes=0)
+
+
+def zero_note(ds, world_size: int) -> str:
+    """How the estimate models the DeepSpeed config (and what it leaves out)."""
+    if zero_sharding(ds, world_size) is None:
+        return (f"DeepSpeed ZeRO-{ds.stage}: not modelled (estimated unsharded; ZeRO-1 would split the optimizer "
+                f"state over {world_size} ranks)")
+    what = "gradients and optimizer state" if ds.stage == 2 else "weights, gradients and optimizer state"
+    note = f"DeepSpeed ZeRO-{ds.stage}: {what} split over {world_size} ranks"
+    if zero_sharding(ds, world_size)["cpu_offload"]:
+        note += "; all three offloaded to the CPU (none on the device)"
+    elif ds.offload_optimizer or ds.offload_param:
+        note += "; one offload alone is not modelled (estimated on the device)"
+    return note

@@ -32,6 +32,7 @@ from ...memory_model import LoraShape, MemoryEstimate, TrainingSetup, estimate, 
 from ...model_shape import ModelShape
 from ...plan_types import Decision, PlanContext
 from .. import checkpointing, optimizer
+from ..deepspeed import engine, zero_sharding, zero_stage
 from ..checkpointing import selected_blocks
 
 logger = logging.getLogger("hf_speedup")
@@ -46,32 +47,6 @@ EVERY_N = (4, 3, 2)  # selective checkpointing, least recomputation first
 def _settings(decisions: Mapping[str, Decision], name: str):
     d = decisions.get(name)
     return d.settings if d is not None and d.active else None
-
-
-def zero_sharding(ds, world_size: int) -> dict | None:
-    """DeepSpeed ZeRO in the memory model's sharding terms: ZeRO-2 keeps the weights whole and shards gradients
-    and optimizer state (FSDP's ``shard_grad_op``), ZeRO-3 shards all three (``full_shard``, gathered in the
-    weights' own dtype), both offloads under ZeRO-3 keep none of them on the device. None where it does not map
-    (ZeRO-0/1, one offload alone: :func:`zero_note` says so)."""
-    if ds is None or ds.stage not in (2, 3):
-        return None
-    both = ds.stage == 3 and bool(ds.offload_optimizer and ds.offload_param)
-    return dict(fsdp="shard_grad_op" if ds.stage == 2 else "full_shard", shard_group=max(1, world_size),
-                cpu_offload=both, gather_bytes=0)
-
-
-def zero_note(ds, world_size: int) -> str:
-    """How the estimate models the DeepSpeed config (and what it leaves out)."""
-    if zero_sharding(ds, world_size) is None:
-        return (f"DeepSpeed ZeRO-{ds.stage}: not modelled (estimated unsharded; ZeRO-1 would split the optimizer "
-                f"state over {world_size} ranks)")
-    what = "gradients and optimizer state" if ds.stage == 2 else "weights, gradients and optimizer state"
-    note = f"DeepSpeed ZeRO-{ds.stage}: {what} split over {world_size} ranks"
-    if zero_sharding(ds, world_size)["cpu_offload"]:
-        note += "; all three offloaded to the CPU (none on the device)"
-    elif ds.offload_optimizer or ds.offload_param:
-        note += "; one offload alone is not modelled (estimated on the device)"
-    return note
 
 
 def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *, micro_batch: int, seq_len: int,
@@ -250,8 +225,11 @@ def loss_would_chunk(ctx: PlanContext, cfg: SpeedupConfig) -> bool:
     return not (comp is not None and comp.active and getattr(comp.settings, "regions", None) == "blocks+head")
 
 
-def _micro_batches(micro_batch: int, effective: int) -> list[int]:
-    """Micro-batches that keep the effective batch exactly: divisors of it, from the user's down to 1."""
+def _micro_batches(ctx: PlanContext, micro_batch: int, effective: int) -> list[int]:
+    """Micro-batches that keep the effective batch exactly: divisors of it, from the user's down to 1; the user's
+    alone where a DeepSpeed config fixes the batch (its values win over TrainingArguments')."""
+    if engine(ctx).fixed_batch:
+        return [micro_batch]
     return [m for m in range(micro_batch, 0, -1) if effective % m == 0]
 
 
@@ -273,6 +251,8 @@ def _levels(trial: _Trial) -> list[tuple[str, dict, str | None]]:
     opt = ctx.decisions.get("optimizer")
     if opt is None or OPTIM_KIND.get(opt.settings.optim) not in ("adamw_8bit", "paged_adamw_8bit"):
         ok, why = optimizer.runnable("adamw_8bit", ctx.caps, optimizer.shards_with_fsdp2(ctx))
+        if ok and zero_stage(ctx) is not None:
+            ok, why = False, f"under DeepSpeed ZeRO-{zero_stage(ctx)}: {optimizer.ZERO_8BIT}"
         changes = {**changes, "optimizer.name": "adamw_8bit"} if ok else changes
         levels.append(("+ 8-bit AdamW states", dict(changes), None if ok else why))
     if getattr(ctx.config, "loss", None) is not None and ctx.config.loss.chunked is False:
@@ -305,7 +285,7 @@ def fit(ctx: PlanContext) -> tuple[BudgetFit | None, str | None]:
         if skipped:
             steps.append(FitStep(level, skipped=skipped))
             continue
-        for mb in _micro_batches(mb0, mb0 * ga0):
+        for mb in _micro_batches(ctx, mb0, mb0 * ga0):
             ga = mb0 * ga0 // mb
             est = trial.estimate(changes, mb)
             ok = est.total_bytes <= budget
