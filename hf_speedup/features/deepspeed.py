@@ -124,13 +124,13 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return False, "off" if not enabled else "MISMATCH: DeepSpeed runs, but no DeepSpeed config was planned for"
     if not enabled:
         return False, "the Trainer has no DeepSpeed plugin: the config did not reach accelerate"
-    engine = getattr(trainer, "model_wrapped", None)
-    if not hasattr(engine, "zero_optimization_stage"):
+    live = getattr(trainer, "model_wrapped", None)  # the DeepSpeedEngine once train() built it
+    if not hasattr(live, "zero_optimization_stage"):
         return False, "the DeepSpeed engine is built when train() starts: verified then"
-    stage = int(engine.zero_optimization_stage())
-    opt = getattr(engine, "optimizer", None)
+    stage = int(live.zero_optimization_stage())
+    opt = getattr(live, "optimizer", None)
     inner = getattr(opt, "optimizer", None)
-    outcome.facts.update(live_stage=stage, world_size=int(getattr(engine, "world_size", 1)),
+    outcome.facts.update(live_stage=stage, world_size=int(getattr(live, "world_size", 1)),
                          zero_optimizer=type(opt).__name__ if opt is not None else None,
                          optimizer=type(inner).__name__ if inner is not None else None)
     found = f"engine at ZeRO stage {stage} on {outcome.facts['world_size']} process(es), optimizer " \
@@ -138,7 +138,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if stage != decision.settings.stage:
         return False, f"MISMATCH: planned ZeRO stage {decision.settings.stage}, {found}"
     if stage == 3:
-        params = list(engine.module.parameters())
+        params = list(live.module.parameters())
         partitioned = sum(1 for p in params if hasattr(p, "ds_id"))
         outcome.facts["partitioned_parameters"] = f"{partitioned}/{len(params)}"
         if partitioned != len(params):
