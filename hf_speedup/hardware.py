@@ -6,7 +6,7 @@ import importlib.util
 import os
 import platform
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -34,6 +34,9 @@ class Capabilities:
     memory_bytes: int | None = None  # the device's memory: CUDA total_memory, CPU physical RAM (memory.budget: auto)
     device: str = "cpu"  # the device the Trainer trains on ("cuda:1", "cpu"): the plan is made for it
     device_reason: str = ""  # who chose it: TrainingArguments.use_cpu, ACCELERATE_USE_CPU, the local rank, ...
+    # what this machine measured for this model, by key ("precision.bf16_matmul" -> measured.Measurement): filled
+    # at the door by the features' ``measure`` hooks (runner.measure); empty where nothing was measured
+    measured: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -20,7 +20,7 @@ from .callback_handler import SpeedupCallbackHandler
 from .features import Setup
 from .hardware import probe
 from .model_info import describe_model
-from .plan import build_plan
+from .plan import build_plan, measure
 from .presets import resolve
 from .report import Report
 from .report.collector import SpeedupCallback
@@ -62,6 +62,7 @@ class SpeedupMixin(*trainer_hooks()):
             bound.arguments["model"] = _call_model_init(user_init, None, training_args)
         model = bound.arguments.get("model")
         info = describe_model(model) if model is not None else None
+        caps = measure(config, caps, info)  # what the features time at this model's shapes (cached per machine)
         self.speedup = Speedup(build_plan(config, caps, info, training_args), prepared.outcomes)
         setup = Setup(model=model, args=training_args, data_collator=bound.arguments.get("data_collator"),
                       processing_class=bound.arguments.get("processing_class"),

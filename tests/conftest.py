@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -10,6 +11,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# plans decide from capability flags unless a test measures (tests/test_measured.py): a timing at the door would
+# make a test's plan depend on how busy this machine is; measurements go to a throw-away cache
+os.environ.setdefault("HF_SPEEDUP_MEASURE", "0")
+os.environ.setdefault("HF_SPEEDUP_CACHE_DIR", tempfile.mkdtemp(prefix="hf_speedup_cache_"))
 
 from hf_speedup.hardware import BITSANDBYTES_ON_CPU  # noqa: E402  (after the environment it must see)
 
