@@ -172,3 +172,20 @@ def test_fast_trained_in_bf16_by_measurement_stays_within_bf16_tolerance_of_base
     assert len(got) == len(want) == steps and want[-1] < 0.8 * want[0]  # a curve that really moves
     worst = max(abs(g - w) / w for g, w in zip(got, want))
     assert worst <= BF16_VS_FP32_LOSS_REL, (worst, got, want)
+
+
+def test_an_implausible_timing_is_neither_used_nor_cached(measuring, tiny_model, monkeypatch):
+    calls = []
+
+    def busy(shapes, tokens=matmul_speed.TOKENS):
+        calls.append(1)
+        return 30.0, {f"{k}x{n}": 30.0 for k, n, _ in shapes}  # a thread descheduled mid-GEMM, every time
+
+    monkeypatch.setattr(matmul_speed, "bf16_matmul_ratio", busy)
+    caps = fake_caps(**CPU_NO_BF16)
+    m = precision.measure(get_preset("auto"), caps, describe_model(tiny_model))[KEY]
+    assert m.value is None and "too busy to time (not cached)" in m.what and len(calls) == 2  # tried twice
+    d = make_plan("auto", caps=fake_caps(**CPU_NO_BF16, measured={KEY: m}))["precision"]
+    assert d.applied == "fp32" and "could not be measured" in d.reason
+    precision.measure(get_preset("auto"), caps, describe_model(tiny_model))
+    assert len(calls) == 4  # nothing was cached: timed again

@@ -151,8 +151,10 @@ def _walk_chain(wanted: str, caps, strict: bool, from_args: bool = False,
 
 
 def _measured_bf16(caps):
-    """The bf16/fp32 matmul speed this CPU measured at the model's shapes (a Measurement), None where not measured."""
-    return caps.measured.get(MEASURED_KEY) if caps.device_type == "cpu" else None
+    """The bf16/fp32 matmul speed this CPU measured at the model's shapes (a Measurement), None where not measured
+    or where the timing was implausible (a busy machine)."""
+    m = caps.measured.get(MEASURED_KEY) if caps.device_type == "cpu" else None
+    return m if m is not None and m.value is not None else None
 
 
 def _bf16_fast(caps) -> bool:
@@ -178,7 +180,9 @@ def _auto_dtype(caps) -> tuple[str, str]:
         return "fp32", (f"fp32 (no mixed precision): bf16 autocast {_measured_text(m)}, under the {THRESHOLD}x it "
                         "takes to speed up a whole step")
     reason = f"fp32 (no mixed precision): bf16 would not be faster here ({caps.bf16_reason or 'no native bf16'})"
-    if caps.device_type == "cpu":
+    if caps.device_type == "cpu" and (noisy := caps.measured.get(MEASURED_KEY)) is not None:
+        reason += f"; bf16 speed at this model's shapes could not be measured: {noisy.text()}"
+    elif caps.device_type == "cpu":
         from ...measured import MEASURE_ENV, measuring_enabled
 
         why = "no model to time at" if measuring_enabled() else f"{MEASURE_ENV}=0"
