@@ -66,8 +66,9 @@ def _cpu_bf16() -> tuple[bool, str]:
     if amx:
         return True, "CPU has AMX tiles: bf16 matmuls run natively"
     if avx512_bf16:
-        return False, ("CPU has avx512_bf16 but no AMX: bf16 autocast was measured 2.6x slower than fp32 "
-                       "on such a CPU (conversions dominate)")
+        return False, ("CPU has avx512_bf16 but no AMX: whether bf16 autocast beats fp32 depends on the model's "
+                       "shapes (2-3x at a 135M model's matmuls on a Zen 4 core, slower at a toy model's, where the "
+                       "casts dominate): timed per model at the door (precision.bf16_matmul)")
     return False, "CPU has no native bf16 (no AMX, no avx512_bf16)"
 
 

@@ -73,7 +73,7 @@ def _write(entries: dict) -> None:
 def cached(kind: str, key: dict, measure: Callable[[], Measurement]) -> Measurement:
     """The measurement of ``kind`` for ``key`` (machine, shapes, dtype: everything the figure depends on),
     timed by ``measure()`` the first time on this machine and read back from the cache after."""
-    full = json.dumps({"kind": kind, **key}, sort_keys=True, default=str)
+    full = _full_key(kind, key)
     entries = _read()
     if full in entries:
         try:
@@ -85,6 +85,27 @@ def cached(kind: str, key: dict, measure: Callable[[], Measurement]) -> Measurem
     entries[full] = {**asdict(result), "cached": False}
     _write(entries)
     return result
+
+
+def _full_key(kind: str, key: dict) -> str:
+    return json.dumps({"kind": kind, **key}, sort_keys=True, default=str)
+
+
+def lookup(kind: str, key: dict) -> Measurement | None:
+    """What an earlier run on this machine recorded for ``kind`` at ``key`` (read back: ``cached=True``), or None."""
+    entry = _read().get(_full_key(kind, key))
+    try:
+        return Measurement(**{**entry, "cached": True}) if entry is not None else None
+    except TypeError:  # written by another version of this module
+        return None
+
+
+def record(kind: str, key: dict, result: Measurement) -> None:
+    """Keep a figure a run measured along the way (a compiled run's gain and compile time) for later runs' plans;
+    a newer figure replaces an older one."""
+    entries = _read()
+    entries[_full_key(kind, key)] = {**asdict(result), "cached": False}
+    _write(entries)
 
 
 def shared_across_ranks(measure: Callable[[], dict]) -> dict:
