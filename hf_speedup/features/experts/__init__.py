@@ -196,6 +196,9 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         refused = [f for f in outcome.fallbacks if f.startswith(f"{want}: transformers refused")]
         return False, f"{text}; {refused[0]}" if refused else f"{text} - MISMATCH: planned {want}"
     name, module = found[0]
+    if sharded := kernels.sharded(module):  # a forward alone would gather across ranks: read the config only
+        outcome.facts["dispatch"] = f"not probed ({sharded})"
+        return True, f"{text}; {name}'s weights are {sharded}: read from the config, no probe forward"
     try:
         key, function = kernels.dispatched(module)
     except Exception as exc:  # sharded (FSDP, ZeRO-3) or otherwise not callable alone: the config is what it reads

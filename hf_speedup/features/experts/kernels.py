@@ -71,6 +71,16 @@ def _interface(module):
     return ALL_EXPERTS_FUNCTIONS
 
 
+def sharded(module) -> str:
+    """How the module's weights are split across ranks ("" where they are whole on this one)."""
+    for p in module.parameters(recurse=False):
+        if hasattr(p, "ds_id"):
+            return "partitioned by DeepSpeed ZeRO-3"
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            return "sharded DTensors (FSDP2)"
+    return ""
+
+
 def dispatched(module) -> tuple[str, str]:
     """(implementation key, function name) a 4-token forward of ``module`` really ran: the module's interface
     answers the key through a recorder for the duration of the call (restored after)."""

@@ -20,7 +20,7 @@ from ...dtypes import short_name
 from ...measured import Measurement
 
 TOKENS = 1024  # a typical micro-batch: 4 x 256 tokens
-REPEATS = 2  # timed rounds after one warm-up, implementations in turn; the fastest of each counts
+REPEATS = 3  # timed rounds after one warm-up, implementations in turn; the fastest of each counts
 GATHER_LIMIT = 1 << 30  # batched_mm gathers each token's expert weights: not timed above 1 GiB of them
 
 
