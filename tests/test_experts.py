@@ -205,3 +205,17 @@ def test_the_door_times_each_kernel_at_the_models_shapes_once(tmp_path, monkeypa
     assert experts.measure(get_preset("baseline"), caps, info) == {}  # keep: nothing to choose, nothing timed
     d = plan_for("auto", caps=caps, model=info)["experts"]
     assert d.settings.measured and "(cached)" in d.reason
+
+
+def test_sharded_experts_are_read_from_the_config_without_a_probe_forward():
+    """A forward of one ZeRO-3-partitioned module alone would gather across ranks: verify reads the config only."""
+    model = build("mixtral")
+    d = decide(model, implementation="grouped_mm")
+    experts.apply(d, Setup(model=model, args=None), Outcome())
+    module = experts_modules(model)[0][1]
+    module.down_proj.ds_id = 7  # what DeepSpeed ZeRO-3 marks its partitioned parameters with
+    outcome = Outcome()
+    ok, why = experts.verify(d, _Trainer(model), outcome)
+    assert ok and why.endswith("model.layers.0.mlp.experts's weights are partitioned by DeepSpeed ZeRO-3: read from "
+                               "the config, no probe forward")
+    assert outcome.facts["dispatch"] == "not probed (partitioned by DeepSpeed ZeRO-3)"
