@@ -168,7 +168,7 @@ def part_compile(a) -> list[dict]:
         breaks = sum(counters["graph_break"].values())
         out.append({"kernel": kernel, "unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": breaks,
                     "recompiles": sum(v for k, v in counters["recompiles"].items()) if counters["recompiles"] else 0,
-                    "break_reasons": sorted(counters["graph_break"])[:3]})
+                    "break_reasons": sorted({r.splitlines()[0] for r in counters["graph_break"]})})
         print(json.dumps(out[-1]), flush=True)
     return out
 
