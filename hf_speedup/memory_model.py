@@ -45,6 +45,13 @@ transformers 5.23, see ``benchmarks/RESULTS.md``):
   a float mask ``4.S`` is kept per block; eager: q, repeated k and v and the output as ``c.qw`` copies,
   softmax probabilities ``4.nq.S`` (plus a ``c`` copy under autocast);
 - MLP: gate, act(gate), up ``3.c.i``, and the product ``c.i`` where down_proj trains;
+- routed experts, per (token, routed expert) pair with ``I`` the expert width, by transformers' experts
+  implementation (``config._experts_implementation``; saved tensors counted per kernel with
+  ``saved_tensors_hooks``, transformers 5.24): the loop (``eager``) keeps its gathered input, the gate/up output
+  and act(gate), down_proj's input, its output and its weighted output, ``c.(4I + 3h)``; ``grouped_mm`` the
+  sorted input and the same MLP tensors, ``c.(4I + 2h)``; ``batched_mm`` ``c.(3I + h)`` plus both expert weights
+  gathered for every pair, ``c.3.I.h``, and in the block's backward the gate/up weights' gradient ``c.2.I.h`` after
+  down_proj's ``c.I.h`` are freed;
 - LoRA, per adapted Linear: the dropout mask (fp32 on CPU, bool on CUDA) and output (``4.d_in``, or the
   autocast copy ``c.d_in``), ``c.rank`` for lora_A's output; frozen base weights keep none of the above that
   only their own gradient needed (no norm ``x*rsqrt``, no projection inputs);
@@ -157,9 +164,7 @@ def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
             total += (n * c if cast else r) * h
     total += _saved_attention(shape, st, c)
     if shape.experts_per_token and shape.expert_intermediate_size:
-        # per routed expert (transformers' expert loop): its gathered input, the gate/up product's three I-wide
-        # inputs, down_proj's input, and its output kept for the routing weight's product
-        total += shape.experts_per_token * (4 * c * shape.expert_intermediate_size + 2 * c * h)
+        total += shape.experts_per_token * _saved_per_pair(shape, st.experts, c)
         # a shared expert (Qwen2-MoE): an MLP of Linears beside the routed experts, run for every token
         shared = next((d_in for n, d_in, d_out in shape.block_linears if d_out == h and ATTN_ROLE.get(n) == "mlp"), 0)
         total += 3 * c * shared + (c * shared if trains else 0)
@@ -168,6 +173,25 @@ def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
     if st.lora is not None:
         total += _saved_lora(shape, st, c)
     return total
+
+
+EXPERTS_MODELLED = {"eager": "transformers' expert loop", "grouped_mm": "transformers' grouped_mm experts",
+                    "batched_mm": "transformers' batched_mm experts (each pair's expert weights gathered)"}
+
+
+def _saved_per_pair(shape: ModelShape, kernel: str, c: int) -> float:
+    """Bytes one (token, routed expert) pair keeps for backward under the experts implementation ``kernel``."""
+    h, i = shape.hidden_size, shape.expert_intermediate_size
+    if kernel == "grouped_mm":
+        return c * (4 * i + 2 * h)
+    if kernel == "batched_mm":
+        return c * (3 * i + h) + _gathered_per_pair(shape, c)
+    return c * (4 * i + 3 * h)  # the loop (and any implementation not modelled: see the notes)
+
+
+def _gathered_per_pair(shape: ModelShape, c: int) -> float:
+    """batched_mm's copy of both expert weights (gate/up 2I x h, down h x I) for one (token, expert) pair."""
+    return c * 3 * shape.expert_intermediate_size * shape.hidden_size
 
 
 def _param_items(shape: ModelShape, st: TrainingSetup) -> dict:
@@ -254,6 +278,9 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
     acts_all = embed_out + sum(kept) + final
     cache = (2 * r * shape.kv_width * N * L) if (st.use_cache and st.cast) else 0
     temps_block = N * (r * h + 2 * c * shape.intermediate_size)
+    if st.experts == "batched_mm" and shape.experts_per_token and shape.expert_intermediate_size:
+        # the gathered gate/up weights' gradient (2.I.h per pair) once down_proj's gathered weights (I.h) are freed
+        temps_block += N * shape.experts_per_token * _gathered_per_pair(shape, c) / 3
     gathered = 0
     if st.fsdp and st.fsdp != "no_shard":
         gathered = 2 * shape.block_params * (st.gather_bytes or st.weight_bytes)
@@ -299,8 +326,12 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
 def _notes(shape: ModelShape, st: TrainingSetup) -> tuple[str, ...]:
     notes = ["eager-mode activations: compiled blocks fuse ops and usually keep less"]
     if shape.block_experts:
-        notes.append(f"mixture of experts: activations modelled on transformers' expert loop, "
+        kernel = EXPERTS_MODELLED.get(st.experts)
+        notes.append(f"mixture of experts: activations modelled on {kernel or EXPERTS_MODELLED['eager']}, "
                      f"{shape.experts_per_token} routed expert(s) per token; the router's own tensors are not counted")
+        if kernel is None:
+            notes.append(f"experts implementation {st.experts!r} not modelled: counted as the loop")
+        notes.append("the experts' routing indices (int64, a few bytes per token and expert) are not counted")
     if st.optimizer == "paged_adamw_8bit" and st.device == "cuda":
         notes.append("paged 8-bit states live in CUDA unified memory: outside torch.cuda.max_memory_allocated, "
                      "paged to host under pressure")

@@ -49,6 +49,7 @@ class TrainingSetup:
     chunked_loss: bool = False
     chunk_tokens: int = 1024
     attention: str = "sdpa"
+    experts: str = "eager"  # config._experts_implementation of a mixture of experts: eager | grouped_mm | batched_mm
     padded: bool = False  # batches carry a padding mask (no packing)
     use_cache: bool = False  # a KV cache is built in training forwards
     device: str = "cpu"

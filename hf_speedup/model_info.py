@@ -9,7 +9,8 @@ from torch import nn
 
 from .blocks import block_class_names, find_blocks, unwrap_model
 from .dtypes import long_name
-from .model_parts import attention_softcap, expert_parameters, head_kind, head_modules, miscounted_loss, routers
+from .model_parts import (attention_softcap, expert_parameters, experts_implementation, experts_modules, head_kind,
+                          head_modules, miscounted_loss, routers)
 from .model_shape import ModelShape, held_weights, model_shape, owners
 
 
@@ -33,6 +34,8 @@ class ModelInfo:
     linear_names: tuple[str, ...] = ()  # leaf names of the linear layers inside blocks, routers left out (LoRA targets)
     expert_parameters: tuple[str, ...] = ()  # block-relative fused 3-D expert weights (mlp.experts.gate_up_proj)
     routers: tuple[str, ...] = ()  # block-relative routers of a mixture-of-experts block (mlp.gate)
+    experts_modules: int = 0  # experts modules dispatching through transformers' ExpertsInterface (switchable)
+    experts_implementation: str | None = None  # their config._experts_implementation (eager, grouped_mm, ...)
     head: str = "none"  # the task head (model_parts.head_kind): causal_lm, masked_lm, sequence_classification, ...
     head_modules: tuple[str, ...] = ()  # top-level modules outside the backbone (score, classifier, lm_head)
     miscounted_loss: str = ""  # why the stock Trainer's padded loss is not the mean over the real targets
@@ -230,6 +233,8 @@ def describe_model(model: nn.Module) -> ModelInfo:
         linear_names=tuple(linear_names),
         expert_parameters=expert_parameters(blocks[0]) if blocks else (),
         routers=block_routers,
+        experts_modules=len(experts_modules(model)),
+        experts_implementation=experts_implementation(model),
         head=head_kind(unwrap_model(model)),
         head_modules=head_modules(unwrap_model(model)),
         miscounted_loss=miscounted_loss(unwrap_model(model)),

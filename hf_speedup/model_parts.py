@@ -74,6 +74,25 @@ def expert_parameters(block: nn.Module) -> tuple[str, ...]:
     return tuple(out)
 
 
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The experts modules whose ``forward`` dispatches through transformers' ``ExpertsInterface`` (classes made
+    with ``@use_experts_implementation``: ``config._experts_implementation`` picks the loop or a grouped kernel)."""
+    out = []
+    for name, module in model.named_modules():
+        forward = type(module).forward
+        code = getattr(forward, "__code__", None)
+        if getattr(forward, "__wrapped__", None) is not None and code is not None and \
+                code.co_filename.replace("\\", "/").endswith("integrations/moe.py"):
+            out.append((name, module))
+    return out
+
+
+def experts_implementation(model: nn.Module) -> str | None:
+    """``_experts_implementation`` of the config the first dispatching experts module reads (None: none)."""
+    found = experts_modules(model)
+    return getattr(getattr(found[0][1], "config", None), "_experts_implementation", None) if found else None
+
+
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
 
 

@@ -16,7 +16,7 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         "Nothing changed: exactly the stock Trainer with your TrainingArguments. The reference for parity and speed.",
         {"precision": {"dtype": "keep", "tf32": "keep"}, "optimizer": {"name": "keep"},
          "interrupt": {"enabled": False},  # signals keep their default action, as with the stock Trainer
-         "attention": {"implementation": "keep"},
+         "attention": {"implementation": "keep"}, "experts": {"implementation": "keep"},
          # output_dir, the logs and stdout as the stock Trainer leaves them: the report stays in memory
          "report": {"path": None, "trackers": False, "console": False}},
     ),

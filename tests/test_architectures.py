@@ -269,6 +269,26 @@ def _check_attention(trainer, entry, name, before):
         assert config._attn_implementation == "eager"
 
 
+def _check_experts(trainer, entry, name, before):
+    """Every experts module dispatches to the planned implementation, read off a forward of the live block."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from hf_speedup.model_parts import experts_modules
+
+    base = unwrap_model(trainer.model)
+    modules = experts_modules(base)
+    assert name in MOE and modules and {m.config._experts_implementation for _, m in modules} == {entry["applied"]}
+    impl, seen = entry["applied"], []
+    target = ALL_EXPERTS_FUNCTIONS.get_interface(impl, type(modules[0][1]).forward.__wrapped__)
+    ALL_EXPERTS_FUNCTIONS[impl] = lambda self, *a, **k: (seen.append(impl), target(self, *a, **k))[1]
+    try:
+        with torch.no_grad():
+            base(input_ids=torch.tensor([rows(name)[0]["input_ids"]]))
+    finally:
+        del ALL_EXPERTS_FUNCTIONS[impl]
+    assert seen == [impl] * len(modules)  # every block's experts ran it
+
+
 def _check_loss(trainer, entry, name, before):
     from hf_speedup.features.loss.chunked_cross_entropy import installed_state
 
@@ -297,7 +317,7 @@ def _check_precision(trainer, entry, name, before):
 
 
 LIVE_CHECKS = {"lora": _check_lora, "compile": _check_compile, "checkpointing": _check_checkpointing,
-               "attention": _check_attention, "loss": _check_loss, "data": _check_data,
+               "attention": _check_attention, "experts": _check_experts, "loss": _check_loss, "data": _check_data,
                "optimizer": _check_optimizer, "precision": _check_precision}
 # Engaged features whose effect does not depend on the architecture; their own test files check them live.
 ARCHITECTURE_INDEPENDENT = {"interrupt", "memory", "empty_cache", "crash_safe"}

@@ -189,6 +189,27 @@ def test_mixture_of_experts_estimate_matches_memtracker(tmp_path, arch, experts_
         assert est.sizes["lora_adapters"] == pytest.approx(16 / 4 * adapters, rel=PART_REL)
 
 
+@pytest.mark.parametrize("kernel", ("grouped_mm", "batched_mm"))
+def test_mixture_of_experts_estimate_follows_the_experts_kernel(tmp_path, kernel):
+    """The experts implementation changes what a step keeps: batched_mm gathers both expert weights for every
+    (token, expert) pair and keeps them for backward; grouped_mm keeps one gathered input less than the loop."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_moe_config("mixtral", 2))
+    speedup = {**FP32, "experts": {"implementation": kernel}}
+    user_args = TrainingArguments(output_dir=str(tmp_path / "est"), report_to=[], use_cpu=True)
+    est = estimate_memory(model, speedup=speedup, batch_size=BATCH, seq_len=SEQ, args=user_args)
+    loop = estimate_memory(model, speedup={**FP32, "experts": {"implementation": "eager"}}, batch_size=BATCH,
+                           seq_len=SEQ, args=user_args)
+    assert est.setup.experts == kernel and f"transformers' {kernel} experts" in " ".join(est.notes)
+    assert (est.sizes["activations"] > loop.sizes["activations"]) is (kernel == "batched_mm")
+    trainer, _, _ = _train_one_tracked_step(tmp_path, speedup, {}, model)
+    assert trainer.speedup_report.to_dict()["plan"]["experts"]["engaged"]
+    live = trainer.speedup_report.to_dict()["measurement"]["live_tensor_peak"]
+    assert _rel(est.peak_tensor_bytes, live["bytes"]) <= 0.03, (est.breakdown, live)
+
+
 @pytest.mark.slow
 def test_bf16_autocast_estimate_matches_memtracker(tmp_path):
     """bf16 autocast over fp32 weights: bf16 weight copies, per-projection input casts (any x86 CPU runs it)."""

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .sections import (AUTO, INTERRUPT_SIGNALS, SECTIONS, AttentionSettings, CheckpointingSettings, CompileSettings,
-                       CrashSafeSettings, DataSettings, DeepSpeedSettings, FsdpSettings, InterruptSettings,
-                       LigerSettings, LoraSettings, LossSettings, MemorySettings, OptimizerSettings, PrecisionSettings,
+                       CrashSafeSettings, DataSettings, DeepSpeedSettings, ExpertsSettings, FsdpSettings,
+                       InterruptSettings, LigerSettings, LoraSettings, LossSettings, MemorySettings, OptimizerSettings, PrecisionSettings,
                        ProfileSettings, ReportSettings)
 from .validate import (BOOLS, CHOICES, NON_NEGATIVE_INTS, OPTIONAL_BOOLS, OPTIONAL_NON_NEGATIVE_INTS,
                        OPTIONAL_POSITIVE_INTS, POSITIVE_INTS, SpeedupConfigError, _check_field, _fmt, _unknown,
@@ -24,7 +24,7 @@ from .validate import (BOOLS, CHOICES, NON_NEGATIVE_INTS, OPTIONAL_BOOLS, OPTION
 
 __all__ = [
     "AUTO", "AttentionSettings", "BOOLS", "CHOICES", "CheckpointingSettings", "CompileSettings", "CrashSafeSettings", "DeepSpeedSettings",
-    "DataSettings", "FsdpSettings", "INTERRUPT_SIGNALS", "InterruptSettings", "LigerSettings", "LoraSettings",
+    "DataSettings", "ExpertsSettings", "FsdpSettings", "INTERRUPT_SIGNALS", "InterruptSettings", "LigerSettings", "LoraSettings",
     "LossSettings", "MemorySettings", "NON_NEGATIVE_INTS", "OPTIONAL_BOOLS", "OPTIONAL_NON_NEGATIVE_INTS",
     "OPTIONAL_POSITIVE_INTS", "OptimizerSettings", "POSITIVE_INTS", "PrecisionSettings", "ProfileSettings",
     "ReportSettings", "SECTIONS", "SpeedupConfig", "SpeedupConfigError", "budget_problem", "dotted_keys",
@@ -47,6 +47,7 @@ class SpeedupConfig:
     fsdp: FsdpSettings = field(default_factory=FsdpSettings)
     data: DataSettings = field(default_factory=DataSettings)
     attention: AttentionSettings = field(default_factory=AttentionSettings)
+    experts: ExpertsSettings = field(default_factory=ExpertsSettings)
     liger: LigerSettings = field(default_factory=LigerSettings)
     loss: LossSettings = field(default_factory=LossSettings)
     profile: ProfileSettings = field(default_factory=ProfileSettings)

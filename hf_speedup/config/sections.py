@@ -160,6 +160,14 @@ class AttentionSettings:
 
 
 @dataclass
+class ExpertsSettings:
+    """How a mixture of experts runs its routed experts (``config._experts_implementation``), chosen by timing."""
+
+    implementation: str = AUTO  # auto | keep | eager | batched_mm | grouped_mm
+    strict: bool = False  # raise instead of falling back when the implementation asked for cannot run here
+
+
+@dataclass
 class LigerSettings:
     """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) via TrainingArguments.use_liger_kernel."""
 
@@ -189,6 +197,7 @@ SECTIONS: dict[str, type] = {
     "fsdp": FsdpSettings,
     "data": DataSettings,
     "attention": AttentionSettings,
+    "experts": ExpertsSettings,
     "liger": LigerSettings,
     "loss": LossSettings,
     "profile": ProfileSettings,

@@ -39,6 +39,7 @@ CHOICES: dict[str, tuple[tuple, Any]] = {
     "data.padding_free": ((AUTO, True, False), AUTO),
     "attention.implementation": ((AUTO, "keep", "sdpa", "sdpa_varlen", "eager", "flash_attention_2",
                                   "flash_attention_3", "flex_attention"), AUTO),
+    "experts.implementation": ((AUTO, "keep", "eager", "batched_mm", "grouped_mm"), AUTO),
     "liger.enabled": ((AUTO, True, False), AUTO),
     "memory.activation_offloading": ((AUTO, True, False), AUTO),
     "loss.chunked": ((AUTO, True, False), True),
@@ -55,7 +56,7 @@ BOOLS = {
     "precision.strict", "compile.fullgraph", "optimizer.strict", "memory.expandable_segments",
     "memory.cpu_reuse_freed", "lora.enabled", "lora.strict", "fsdp.enabled", "fsdp.cpu_offload",
     "fsdp.cpu_ram_efficient_loading", "profile.enabled", "profile.record_shapes", "profile.profile_memory",
-    "profile.with_stack", "profile.memory_snapshot", "attention.strict", "report.trackers", "report.console",
+    "profile.with_stack", "profile.memory_snapshot", "attention.strict", "experts.strict", "report.trackers", "report.console",
     "crash_safe.enabled", "deepspeed.strict",
 }
 OPTIONAL_BOOLS = {"data.pin_memory", "data.persistent_workers", "data.drop_last", "data.packing"}

@@ -41,6 +41,8 @@ before anything adapts to it; LoRA wraps before blocks are
 checkpointed and compiled; FSDP decides before checkpointing so it is done only once; the chunked loss
 reads the compile and FSDP decisions; profile comes last so it labels the loss function finally in place;
 data decides before attention and compile: padding-free rows choose the kernel and a dynamic sequence dimension;
+experts after precision (the dtype its timing ran in) and before compile and memory (which kernel the MoE blocks
+run, what the estimate models);
 liger before loss: Liger's fused cross-entropy, where on, keeps the chunked loss out).
 
 Adding an acceleration: a module (or a package, its helpers inside) here with that surface, its section in
@@ -52,11 +54,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import (attention, checkpointing, compile, crash_safe, data, deepspeed, fsdp, interrupt, liger, lora, loss,
-               memory, optimizer, precision, profile)
+from . import (attention, checkpointing, compile, crash_safe, data, deepspeed, experts, fsdp, interrupt, liger, lora,
+               loss, memory, optimizer, precision, profile)
 
-FEATURES = (deepspeed, precision, lora, fsdp, checkpointing, data, attention, compile, optimizer, memory, liger, loss,
-            profile, interrupt, crash_safe)
+FEATURES = (deepspeed, precision, lora, fsdp, checkpointing, data, attention, experts, compile, optimizer, memory, liger,
+            loss, profile, interrupt, crash_safe)
 
 
 @dataclass

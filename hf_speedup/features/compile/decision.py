@@ -140,6 +140,12 @@ def _on_reason(ctx: PlanContext, s: Settings) -> str:
     elif s.dynamic is False and not ctx.config.data.pad_to_multiple_of:
         parts.append("dynamic=False without data.pad_to_multiple_of: each new sequence length recompiles "
                      "(after torch._dynamo's recompile_limit that region runs eager)")
+    experts = ctx.decisions.get("experts")
+    kernel = (experts.settings.implementation or experts.settings.previous) if experts is not None else None
+    if kernel == "eager" and getattr(ctx.model, "experts_modules", 0):
+        parts.append("the experts' per-expert loop breaks each MoE block's graph where it finds the experts hit "
+                     "(a data-dependent nonzero): the block runs as several graphs with the loop eager between them "
+                     "(grouped_mm and batched_mm trace whole, no recompile per routing: benchmarks/bench_moe.py)")
     return "; ".join(parts)
 
 

@@ -78,6 +78,8 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
         if not chunked and liger is not None and liger.active:  # fused linear cross-entropy: no full logits either
             chunked = True  # modelled as the chunked loss with its default chunk
     attn = _settings(decisions, "attention")
+    experts = decisions.get("experts")  # the kernel planned, else the model's own (keep)
+    kernel = (experts.settings.implementation or experts.settings.previous) if experts is not None else None
     data = _settings(decisions, "data")
     fs = _settings(decisions, "fsdp")
     fsdp = dict(fsdp=None)
@@ -89,7 +91,7 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
     return TrainingSetup(
         micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, weight_bytes=wb, compute_bytes=compute,
         lora=lora, checkpointed=blocks, optimizer=kind, chunked_loss=chunked, chunk_tokens=chunk_tokens,
-        attention=getattr(attn, "implementation", None) or shape.attention,
+        attention=getattr(attn, "implementation", None) or shape.attention, experts=kernel or "eager",
         padded=padded and not getattr(data, "padding_free", False),
         use_cache=shape.use_cache and not blocks, device=caps.device_type, **fsdp)
 
