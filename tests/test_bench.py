@@ -206,6 +206,16 @@ def test_one_step_under_the_profiler_is_sorted_into_buckets_that_fit_the_step(ti
     assert sum(ms.values()) <= split["step_ms"] + 0.01 and not split["clipped"]
 
 
+def test_breakdown_flag_adds_one_profiled_step_after_the_timed_ones():
+    from hf_speedup.bench.runner import worker_spec
+
+    options = options_from_args(parse(["--tiny", "--breakdown", "--steps", "4"]))
+    assert options.breakdown and "--breakdown" in options.command
+    cpu, cuda = worker_spec(options, "fast", "cpu", "/tmp/x"), worker_spec(options, "fast", "cuda", "/tmp/x")
+    assert (cpu["total_steps"], cuda["total_steps"]) == (6, 5)  # 4 timed (+ the memory-tracked one on CPU) + 1
+    assert cpu["breakdown"] and not options_from_args(parse(["--tiny"])).breakdown
+
+
 # ---------------------------------------------------------------------------------------- statistics
 def _row(name, seconds, tokens, kind="peer", **result):
     base = dict(loss=2.0, matmul_trainable=1000, matmul_frozen=0, layers=2, attention_width=8, peak_flops=None,
