@@ -20,9 +20,8 @@ from hf_speedup.report.schema import PREFIX, SUMMARY_METRICS
 from hf_speedup.features import FEATURES
 from hf_speedup.peak_flops import OVERRIDE_ENV
 from hf_speedup.report import REPORT_FILE
-from hf_speedup.report.measure.matmul_peak import matmul_peak
 
-from conftest import REPORTED_BASELINE, TrackerLogs, tracking
+from conftest import REPORTED_BASELINE, TrackerLogs, fake_matmul_peak, tracking
 
 DESIGN_FEATURES = {"precision", "compile", "optimizer", "checkpointing", "empty_cache", "lora", "fsdp"}
 
@@ -162,20 +161,9 @@ def test_the_step_against_a_measured_matmul_peak(tiny_model, dataset, collator, 
     """With measuring on, the collector times this machine's matmul peak once (here a fake timer) in the run's
     dtype; the report states achieved model FLOP/s and its fraction of that peak in the JSON, the trackers and
     the console; a second run reads the peak back from the cache."""
-    from hf_speedup import measured
-    from hf_speedup.report import model_facts
     from hf_speedup.report.sinks import wandb_summary_items
 
-    monkeypatch.setenv(measured.MEASURE_ENV, "1")
-    monkeypatch.setenv(measured.CACHE_ENV, str(tmp_path / "cache"))
-    timed = []
-
-    def fake_timer(device_type, dtype, size):
-        timed.append((device_type, dtype, size))
-        return 5e9, "fake GEMM"
-
-    monkeypatch.setattr(model_facts, "matmul_peak",
-                        lambda *a, **k: matmul_peak(*a, **k, measure=fake_timer))
+    timed = fake_matmul_peak(monkeypatch, tmp_path / "cache")
     trainer = _train(tiny_model, dataset, collator, make_args, max_steps=3, logging_steps=1, callbacks=[tracker])
     report = trainer.speedup_report.to_dict()
     m, x = report["metrics"], report["measurement"]
