@@ -12,8 +12,10 @@ left out: CPU time on a CPU, the time of the kernels it launched on CUDA), in th
   softmax (the eager attention path) and its backward;
 - ``loss``: ``cross_entropy``, ``log_softmax`` and ``nll_loss`` (forward and backward) and whatever else runs
   inside the ``hf_speedup/loss`` label other than a GEMM;
-- ``compiled``: the self time of a compiled region's graph call (inductor's fused kernels run inside it
-  without events of their own on a CPU: norms, activations, residual adds, fused);
+- ``compiled``: the self time of a compiled graph's call (``## Call CompiledFxGraph ... ##``: inductor's fused
+  kernels run inside it without events of their own on a CPU: norms, activations, residual adds, fused); the
+  wrappers around it (``Torch-Compiled Region``: guards; ``CompiledFunction``: AOT autograd's runtime) are
+  overhead;
 - ``elementwise``: every other operator (norms, activations, adds, copies, embedding, casts);
 - ``overhead``: the step's wall time not inside any operator: Python, the Trainer loop, autograd's engine,
   hooks, dispatch (the self time of ranges such as ``ProfilerStep#``, ``autograd::engine::...``, labels).
@@ -39,10 +41,11 @@ ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention
 ATTENTION_OPS = {"softmax", "_softmax", "_softmax_backward_data", "_safe_softmax"}
 LOSS_MARKS = ("cross_entropy", "log_softmax", "nll_loss")
 OPTIMIZER_MARKS = ("_fused_adam", "_fused_sgd", "_foreach_")
-COMPILED_MARKS = ("CompiledFxGraph", "CompiledFunction", "Torch-Compiled Region")
+COMPILED_MARKS = ("CompiledFxGraph",)
 # ranges: their self time is the framework's (Python, autograd's engine, hooks), not an operator's
 RANGE_MARKS = ("autograd::engine::", "torch::autograd::", "Backward0", "Backward1", "ProfilerStep", LABEL,
-               "Optimizer.", "enumerate(DataLoader)", "cudaDeviceSynchronize", "cudaStreamSynchronize")
+               "Optimizer.", "enumerate(DataLoader)", "cudaDeviceSynchronize", "cudaStreamSynchronize",
+               "CompiledFunction", "Torch-Compiled Region")
 
 
 def op_name(name: str) -> str:
