@@ -213,3 +213,23 @@ def one_process_losses(tmp_path_factory):
     losses, decision, _ = fsdp_train.reference_losses(tmp_path_factory.mktemp("one_process"))
     assert decision["applied"] == "off"
     return losses
+
+
+def fake_matmul_peak(monkeypatch, cache_dir, flops: float = 5e9) -> list:
+    """Measuring on, with this machine's matmul peak timed by a fake GEMM (``flops`` FLOP/s) and cached in
+    ``cache_dir``: the report's ``matmul_peak_flops_per_second`` and ``fraction_of_matmul_peak`` are numbers.
+    Returns the list of (device type, dtype, size) timed."""
+    from hf_speedup import measured
+    from hf_speedup.report import model_facts
+    from hf_speedup.report.measure.matmul_peak import matmul_peak
+
+    monkeypatch.setenv(measured.MEASURE_ENV, "1")
+    monkeypatch.setenv(measured.CACHE_ENV, str(cache_dir))
+    timed: list = []
+
+    def fake_timer(device_type, dtype, size):
+        timed.append((device_type, dtype, size))
+        return flops, "fake GEMM"
+
+    monkeypatch.setattr(model_facts, "matmul_peak", lambda *a, **k: matmul_peak(*a, **k, measure=fake_timer))
+    return timed

@@ -18,7 +18,8 @@ from hf_speedup.bench import BenchOptions, run_bench
 from hf_speedup.bench.cli import add_arguments, options_from_args
 from hf_speedup.bench.data import file_rows, make_rows, ragged_lengths
 from hf_speedup.bench.options import DRY_RUN_CONFIG, LLAMA_3_2_1B, PROFILES
-from hf_speedup.bench.results import COLUMNS, all_finite, markdown_table, summarize, table_rows
+from hf_speedup.bench.results import COLUMNS, all_finite, markdown_table, notes, summarize, table_rows
+from hf_speedup.features.profile.breakdown import BUCKETS
 from hf_speedup.bench.runner import unavailable
 from hf_speedup.cli import main as cli_main
 from hf_speedup.config import SpeedupConfigError
@@ -182,6 +183,39 @@ def test_the_meter_counts_as_the_report_does_tokens_per_step_and_attention_lengt
     assert meter.attention_length() == pytest.approx((25 + 4 + 16 + 9) / 14)  # lengths 5, 2 | 4, 3
 
 
+def test_one_step_under_the_profiler_is_sorted_into_buckets_that_fit_the_step(tiny_model):
+    """``--breakdown``'s meter: one forward + backward + optimizer step profiled, on the bench's own clock."""
+    import time
+
+    import torch
+
+    from hf_speedup.bench.meters import StepProfiler
+
+    opt = torch.optim.AdamW(tiny_model.parameters())
+    ids = torch.randint(0, 100, (2, 32))
+    profiler = StepProfiler("cpu")
+    profiler.start()
+    start = time.perf_counter()
+    tiny_model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    profiler.stop(time.perf_counter() - start)
+    split = profiler.breakdown
+    assert profiler.error is None and split["steps"] == 1
+    ms = split["buckets_ms"]
+    assert ms["matmul"] > 0 and ms["attention"] > 0 and ms["loss"] > 0 and ms["optimizer"] > 0
+    assert sum(ms.values()) <= split["step_ms"] + 0.01 and not split["clipped"]
+
+
+def test_breakdown_flag_adds_one_profiled_step_after_the_timed_ones():
+    from hf_speedup.bench.runner import worker_spec
+
+    options = options_from_args(parse(["--tiny", "--breakdown", "--steps", "4"]))
+    assert options.breakdown and "--breakdown" in options.command
+    cpu, cuda = worker_spec(options, "fast", "cpu", "/tmp/x"), worker_spec(options, "fast", "cuda", "/tmp/x")
+    assert (cpu["total_steps"], cuda["total_steps"]) == (6, 5)  # 4 timed (+ the memory-tracked one on CPU) + 1
+    assert cpu["breakdown"] and not options_from_args(parse(["--tiny"])).breakdown
+
+
 # ---------------------------------------------------------------------------------------- statistics
 def _row(name, seconds, tokens, kind="peer", **result):
     base = dict(loss=2.0, matmul_trainable=1000, matmul_frozen=0, layers=2, attention_width=8, peak_flops=None,
@@ -190,11 +224,19 @@ def _row(name, seconds, tokens, kind="peer", **result):
             "setup_s": 3.0, "result": {**base, "tokens": tokens, **result}}
 
 
+SPLIT = {"steps": 1, "step_ms": 10.0, "buckets_ms": {"matmul": 7.0, "overhead": 3.0},
+         "buckets_percent": {"matmul": 70.0, "overhead": 30.0}}
+SPLIT = {**SPLIT, "buckets_ms": {b: SPLIT["buckets_ms"].get(b, 0.0) for b in BUCKETS},
+         "buckets_percent": {b: SPLIT["buckets_percent"].get(b, 0.0) for b in BUCKETS}}
+
+
 def test_ratio_is_the_median_of_per_step_ratios_after_warmup_and_loss_is_compared_with_stock():
     opts = BenchOptions(steps=6, warmup=2, batch_size=2)
     rows = {
         "stock": _row("stock", [5, 5, 1.0, 1.0, 2.0, 1.0, 9], [10] * 7),  # 7th: the untimed memory step
-        "fast": _row("fast", [50, 5, 0.5, 0.5, 1.0, 2.0, 9], [10] * 7, kind="preset", loss=1.5, peak_flops=1e12),
+        "fast": _row("fast", [50, 5, 0.5, 0.5, 1.0, 2.0, 9], [10] * 7, kind="preset", loss=1.5, peak_flops=1e12,
+                     matmul_peak_flops=1e6, matmul_peak_source="best GEMM on this CPU", compute_dtype="fp32",
+                     time_breakdown=SPLIT),
         "liger": {"name": "liger", "kind": "peer", "status": "not run", "reason": "CUDA only", "seconds": [], "faults": []},
     }
     entries = {e["name"]: e for e in summarize(rows, opts)}
@@ -209,6 +251,16 @@ def test_ratio_is_the_median_of_per_step_ratios_after_warmup_and_loss_is_compare
     assert fast["flops_per_token"] == pytest.approx(6 * 1000 + 12 * 2 * 8 * 5)
     assert fast["mfu"] == pytest.approx(6960 * 10 / 1e12)
     assert entries["stock"]["metrics"]["mfu"] is None
+    # achieved model FLOP/s, and its fraction of this machine's matmul peak where that was measured
+    assert fast["model_flops_per_second"] == pytest.approx(6960 * 10)
+    assert fast["fraction_of_matmul_peak"] == pytest.approx(6960 * 10 / 1e6)
+    assert entries["stock"]["metrics"]["fraction_of_matmul_peak"] is None  # not measured (HF_SPEEDUP_MEASURE=0)
+    assert table_rows([entries["fast"]])[0][6:9] == ["0.0", "7.0%", "0.0%"]  # GFLOP/s, % matmul peak, MFU
+    assert fast["time_breakdown"] == SPLIT
+    noted = notes(list(entries.values()), opts, "cpu")
+    assert "% matmul peak (fp32): model FLOP/s over best GEMM on this CPU." in noted
+    assert "fast: one profiled step of 10.0 ms (under the profiler): matmul 70.0% (7.0 ms), overhead 30.0% (3.0 ms)." \
+        in noted
     table = markdown_table(list(entries.values())).splitlines()
     assert len(table) == 2 + 3 and all(line.count("|") == len(COLUMNS) + 1 for line in table)
     assert "| liger | not run: CUDA only |" in table[4]

@@ -292,3 +292,49 @@ def test_compiled_regions_counts_in_place_and_wrapped_modules(tiny_model):
     assert M.compiled_regions(tiny_model) == 4
     assert M.compiled_regions(tiny_model, tiny_model) == 4  # each module once
     assert M.compiled_regions(torch.compile(nn.Linear(2, 2), backend="eager")) == 1
+
+
+def test_model_flops_per_second_and_fraction_of_a_peak_by_hand():
+    from hf_speedup.report.measure import fraction_of_peak, model_flops_per_second
+
+    assert model_flops_per_second(1000.0, 6e8) == 6e11
+    assert model_flops_per_second(None, 6e8) is None and model_flops_per_second(1000.0, None) is None
+    assert fraction_of_peak(6e11, 1e12) == pytest.approx(0.6)
+    assert fraction_of_peak(6e11, 1e12, num_devices=2) == pytest.approx(0.3)  # the peak is per device
+    assert fraction_of_peak(6e11, None) is None and fraction_of_peak(None, 1e12) is None
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "tf32"])
+def test_the_matmul_peak_times_a_gemm_in_the_runs_dtype(dtype):
+    """A small GEMM stands in for the large one: a positive FLOP/s and the library that gave it."""
+    from hf_speedup.report.measure.matmul_peak import time_matmul_peak
+
+    flops, library = time_matmul_peak("cpu", dtype, size=64, reps=1)
+    assert flops > 0 and library in ("torch.mm", "oneDNN matmul")
+    if dtype == "bf16":
+        assert library == "torch.mm"  # a bf16 matmul, as autocast runs it
+
+
+def test_the_matmul_peak_is_cached_per_dtype_and_null_with_a_reason(monkeypatch, tmp_path):
+    from hf_speedup import measured
+    from hf_speedup.report.measure.matmul_peak import matmul_peak
+
+    monkeypatch.setenv(measured.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(measured.MEASURE_ENV, "1")
+    calls = []
+
+    def timer(device_type, dtype, size):
+        calls.append(dtype)
+        return {"fp32": 1e11, "bf16": 3e11}[dtype], "fake"
+
+    assert matmul_peak("cpu", "EPYC", "fp32", 2, measure=timer)[0] == 1e11
+    assert matmul_peak("cpu", "EPYC", "bf16", 2, measure=timer)[0] == 3e11
+    value, source = matmul_peak("cpu", "EPYC", "fp32", 2, measure=timer)
+    assert value == 1e11 and source.endswith("(cached)") and "EPYC, 2 threads" in source
+    assert matmul_peak("cpu", "EPYC", "fp32", 1, measure=timer)[0] == 1e11 and calls == ["fp32", "bf16", "fp32"]
+    monkeypatch.setenv(measured.MEASURE_ENV, "0")
+    assert matmul_peak("cpu", "EPYC", "fp32", 2, measure=timer) == (None, "matmul peak not measured "
+                                                                          "(HF_SPEEDUP_MEASURE=0)")
+    monkeypatch.setenv(measured.MEASURE_ENV, "1")
+    assert matmul_peak("mps", "Apple", "fp32", 1, measure=timer) == (None, "matmul peak not measured on mps "
+                                                                           "(CPU and CUDA only)")

@@ -189,3 +189,78 @@ def test_example_profile_flag(tmp_path):
     assert len(trace_files(out)) == 1
     with pytest.raises(SystemExit):
         main(["--profile", "1,x"])
+
+
+# ----------------------------------------------------------------------------------- time breakdown
+class Event:
+    """A profiler event as ``prof.events()`` gives it: name, self and total times (us), parent."""
+
+    def __init__(self, name, self_us, parent=None, device_us=0.0, total_us=None):
+        self.name, self.self_cpu_time_total, self.self_device_time_total = name, self_us, device_us
+        self.cpu_time_total = total_us if total_us is not None else self_us
+        self.cpu_parent = parent
+
+
+def test_the_classifier_sorts_operators_into_buckets():
+    from hf_speedup.features.profile.breakdown import classify
+
+    assert classify("aten::mm") == classify("aten::addmm") == classify("hf_speedup::onednn_mm") == "matmul"
+    assert classify("aten::_grouped_mm") == classify("aten::linear") == "matmul"
+    assert classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
+    assert classify("hf_speedup::sdpa_varlen") == classify("aten::_softmax") == "attention"
+    assert classify("aten::_log_softmax") == classify("aten::nll_loss_backward") == "loss"
+    assert classify("aten::cross_entropy_loss") == "loss"
+    assert classify("aten::mul", ("hf_speedup/loss", "ProfilerStep#3")) == "loss"  # inside the labelled loss
+    assert classify("aten::mm", ("hf_speedup/loss",)) == "matmul"  # a GEMM stays a GEMM (a chunked head's)
+    assert classify("aten::_foreach_mul_") == classify("aten::_fused_adamw_") == "optimizer"
+    assert classify("aten::add_", ("Optimizer.step#AdamW.step", "ProfilerStep#3")) == "optimizer"
+    assert classify("aten::mm", ("hf_speedup/optimizer_step",)) == "optimizer"
+    assert classify("aten::stack", ("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",)) == "data"
+    assert classify("## Call CompiledFxGraph fabc ##") == "compiled"  # inductor's fused kernels run inside it
+    assert classify("CompiledFunction") == classify("Torch-Compiled Region: 0/1") == "overhead"  # its wrappers
+    assert classify("aten::mm", ("## Call CompiledFxGraph fabc ##",)) == "matmul"
+    assert classify("aten::add") == classify("aten::silu_backward") == classify("aten::copy_") == "elementwise"
+    for overhead in ("autograd::engine::evaluate_function: MmBackward0", "MmBackward0", "hf_speedup/block.0",
+                     "torch::autograd::AccumulateGrad", "cudaDeviceSynchronize"):
+        assert classify(overhead) == "overhead", overhead
+
+
+def test_the_breakdown_of_synthetic_steps_adds_up_to_the_step():
+    from hf_speedup.features.profile.breakdown import BUCKETS, breakdown_lines, time_breakdown
+
+    events = []
+    for _ in range(2):  # two profiled steps of 1000 us each
+        step = Event("ProfilerStep#3", 50, total_us=1000)
+        block = Event("hf_speedup/block.0", 20, step)
+        opt = Event("Optimizer.step#AdamW.step", 10, step)
+        loader = Event("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 5, step)
+        events += [step, block, opt, loader, Event("aten::mm", 500, block), Event("aten::add", 40, block),
+                   Event("aten::_scaled_dot_product_flash_attention_for_cpu", 100, block),
+                   Event("aten::_log_softmax", 60, step), Event("aten::_foreach_add_", 80, opt),
+                   Event("aten::stack", 15, loader)]
+    split = time_breakdown(events)
+    assert split["steps"] == 2 and split["step_ms"] == 1.0
+    ms = split["buckets_ms"]
+    assert ms == {"matmul": 0.5, "attention": 0.1, "loss": 0.06, "optimizer": 0.09, "data": 0.02, "compiled": 0.0,
+                  "elementwise": 0.04, "overhead": 0.19}  # overhead: the steps' and the label's own time
+    assert sum(ms.values()) == pytest.approx(split["step_ms"]) and set(ms) == set(BUCKETS)
+    assert split["buckets_percent"]["matmul"] == 50.0 and not split["clipped"]
+    assert breakdown_lines(split)[0] == "matmul 50.0% (0.5 ms)"
+    # a caller's own step clock (the bench's profiled step), and the device's time on CUDA
+    timed = time_breakdown([Event("aten::mm", 0, device_us=300), Event("aten::add", 0, device_us=100)], device=True,
+                           step_us=800, steps=1)
+    assert timed["buckets_ms"]["matmul"] == 0.3 and timed["buckets_ms"]["overhead"] == 0.4
+    assert time_breakdown([Event("aten::mm", 10)])["steps"] == 0  # no step range, no clock: no breakdown
+
+
+def test_a_profiled_run_says_where_its_step_time_goes(make_args, tiny_model, dataset, collator, capsys):
+    trainer = profiled_trainer(make_args, tiny_model, dataset, collator)
+    trainer.train()
+    split = trainer.speedup_report.to_dict()["profile"]["time_breakdown"]
+    assert split["steps"] == 2 and split["step_ms"] > 0
+    ms = split["buckets_ms"]
+    assert ms["matmul"] > 0 and ms["attention"] > 0 and ms["loss"] > 0 and ms["optimizer"] > 0
+    assert ms["overhead"] >= 0 and sum(ms.values()) <= split["step_ms"] * 1.001 + 0.01  # rounding
+    assert not split["clipped"]
+    out = capsys.readouterr().out
+    assert "step time by bucket: " in out and "profiled step" in out and "  matmul" in out

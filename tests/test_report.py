@@ -21,7 +21,7 @@ from hf_speedup.features import FEATURES
 from hf_speedup.peak_flops import OVERRIDE_ENV
 from hf_speedup.report import REPORT_FILE
 
-from conftest import REPORTED_BASELINE, TrackerLogs, tracking
+from conftest import REPORTED_BASELINE, TrackerLogs, fake_matmul_peak, tracking
 
 DESIGN_FEATURES = {"precision", "compile", "optimizer", "checkpointing", "empty_cache", "lora", "fsdp"}
 
@@ -154,6 +154,54 @@ def test_mfu_with_a_peak_override(tiny_model, dataset, collator, make_args, monk
     assert PREFIX + "mfu" not in logs[0] and logs[0][PREFIX + "whole_run_tokens_per_second"] > 0
     logged = [h[PREFIX + "mfu"] for h in logs[1:]]
     assert len(logged) == 2 and all(v > 0 for v in logged)
+
+
+def test_the_step_against_a_measured_matmul_peak(tiny_model, dataset, collator, make_args, monkeypatch, tmp_path,
+                                                tracker, capsys):
+    """With measuring on, the collector times this machine's matmul peak once (here a fake timer) in the run's
+    dtype; the report states achieved model FLOP/s and its fraction of that peak in the JSON, the trackers and
+    the console; a second run reads the peak back from the cache."""
+    from hf_speedup.report.sinks import wandb_summary_items
+
+    timed = fake_matmul_peak(monkeypatch, tmp_path / "cache")
+    trainer = _train(tiny_model, dataset, collator, make_args, max_steps=3, logging_steps=1, callbacks=[tracker])
+    report = trainer.speedup_report.to_dict()
+    m, x = report["metrics"], report["measurement"]
+    assert timed == [("cpu", "fp32", 2048)]  # the run's dtype, once
+    assert m["model_flops_per_second"] == pytest.approx(x["flops_per_token"] * m["tokens_per_second"])
+    assert m["whole_run_model_flops_per_second"] == pytest.approx(
+        x["flops_per_token"] * m["whole_run_tokens_per_second"])
+    assert m["matmul_peak_flops_per_second"] == 5e9
+    assert m["fraction_of_matmul_peak"] == pytest.approx(m["model_flops_per_second"] / 5e9)
+    assert x["matmul_peak_dtype"] == "fp32" and "fake GEMM" in x["matmul_peak_source"]
+    assert "cached" not in x["matmul_peak_source"] and m["mfu"] is None  # MFU keeps its nominal-peak meaning
+    on_disk = json.loads((Path(trainer.args.output_dir) / REPORT_FILE).read_text())["metrics"]
+    assert on_disk["fraction_of_matmul_peak"] == m["fraction_of_matmul_peak"]
+    final = next(h for h in tracker.logs if "train_runtime" in h)
+    for key in ("model_flops_per_second", "matmul_peak_flops_per_second", "fraction_of_matmul_peak"):
+        assert final[PREFIX + key] == m[key]
+        assert wandb_summary_items(report)[PREFIX + key] == m[key]
+    steady = [h for h in tracker.logs if "loss" in h][1:]  # step 1 compiled: no steady figure in its window
+    assert steady and all(0 < h[PREFIX + "fraction_of_matmul_peak"] for h in steady)
+    out = capsys.readouterr().out
+    assert "of matmul peak" in out and "5.00 GFLOP/s" in out
+
+    again = _train(tiny_model, dataset, collator, make_args, max_steps=2)
+    assert len(timed) == 1 and again.speedup_report.metrics.matmul_peak_flops_per_second == 5e9
+    assert "(cached)" in again.speedup_report.measurement["matmul_peak_source"]
+
+
+def test_no_matmul_peak_when_measuring_is_off(tiny_model, dataset, collator, make_args, monkeypatch):
+    from hf_speedup import measured
+    from hf_speedup.report.measure import matmul_peak as module
+
+    monkeypatch.setenv(measured.MEASURE_ENV, "0")
+    monkeypatch.setattr(module, "time_matmul_peak", lambda *a: pytest.fail("timed with measuring off"))
+    trainer = _train(tiny_model, dataset, collator, make_args, max_steps=2)
+    m, x = trainer.speedup_report.to_dict()["metrics"], trainer.speedup_report.measurement
+    assert m["model_flops_per_second"] > 0  # achieved FLOP/s needs no peak
+    assert m["matmul_peak_flops_per_second"] is None and m["fraction_of_matmul_peak"] is None
+    assert x["matmul_peak_source"] == "matmul peak not measured (HF_SPEEDUP_MEASURE=0)"
 
 
 def test_gradient_accumulation_counts_every_micro_batch(tiny_model, dataset, collator, make_args):

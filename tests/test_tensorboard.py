@@ -11,16 +11,17 @@ from hf_speedup import SpeedupTrainer
 from hf_speedup.report.schema import PREFIX, SUMMARY_METRICS
 from hf_speedup.report import REPORT_FILE
 
-from conftest import REPORTED_BASELINE
+from conftest import REPORTED_BASELINE, fake_matmul_peak
 
 pytest.importorskip("tensorboard")
 
 
-def test_tensorboard_event_files_hold_the_metrics(tiny_model, dataset, collator, make_args, monkeypatch):
+def test_tensorboard_event_files_hold_the_metrics(tiny_model, dataset, collator, make_args, monkeypatch, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
     monkeypatch.setenv("HF_SPEEDUP_PEAK_FLOPS", "1e12")  # so that MFU is a number on this CPU too
+    fake_matmul_peak(monkeypatch, tmp_path / "measured")  # and the fraction of the matmul peak
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(report_to=["tensorboard"], max_steps=4, logging_steps=2),
                              train_dataset=dataset, data_collator=collator, speedup=REPORTED_BASELINE)
     trainer.train()

@@ -14,7 +14,7 @@ from hf_speedup import SpeedupTrainer
 from hf_speedup.report.schema import PREFIX, STEP_METRICS, SUMMARY_METRICS
 from hf_speedup.report import REPORT_FILE
 
-from conftest import REPORTED_BASELINE
+from conftest import REPORTED_BASELINE, fake_matmul_peak
 
 wandb = pytest.importorskip("wandb")
 
@@ -62,7 +62,9 @@ def offline_wandb(tmp_path, monkeypatch):
     wandb.teardown()
 
 
-def test_wandb_run_has_plan_config_and_metric_summary(offline_wandb, tiny_model, dataset, collator, make_args):
+def test_wandb_run_has_plan_config_and_metric_summary(offline_wandb, tiny_model, dataset, collator, make_args,
+                                                      monkeypatch, tmp_path):
+    fake_matmul_peak(monkeypatch, tmp_path / "measured")  # so the fraction of the matmul peak is a number too
     trainer = SpeedupTrainer(model=tiny_model, args=make_args(report_to=["wandb"], max_steps=4, logging_steps=2,
                                                                run_name="report-test"),
                              train_dataset=dataset, data_collator=collator, speedup=REPORTED_BASELINE)

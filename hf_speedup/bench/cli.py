@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads in every worker (default: torch's choice)")
     p.add_argument("--timeout", type=float, help="seconds a worker may take to set up, for one step, or to wrap up")
     p.add_argument("--profile", help=f"named settings ({', '.join(PROFILES)}); the flags above override them")
+    p.add_argument("--breakdown", action="store_true",
+                   help="profile one extra step per variant (after the timed ones) and show where its time goes: "
+                        "matmul, attention, loss, optimizer, data, other kernels, Python/framework overhead")
     p.add_argument("--dry-run", action="store_true", help="the same plan on CPU with a tiny config (proves it)")
 
 
@@ -55,7 +58,7 @@ def as_argv(ns: argparse.Namespace) -> list[str]:
         value = getattr(ns, key, None)
         if value is not None:
             out += [f"--{key.replace('_', '-')}", str(value)]
-    out += [f"--{flag.replace('_', '-')}" for flag in ("tiny", "dry_run") if getattr(ns, flag, False)]
+    out += [f"--{flag.replace('_', '-')}" for flag in ("tiny", "breakdown", "dry_run") if getattr(ns, flag, False)]
     return out
 
 
@@ -69,6 +72,8 @@ def options_from_args(ns: argparse.Namespace, argv: list[str] | None = None) -> 
     settings.update({f: getattr(ns, f) for f in FIELDS if getattr(ns, f) is not None})
     if ns.tiny:
         settings.update(tiny=True, model_config=None)
+    if getattr(ns, "breakdown", False):
+        settings["breakdown"] = True
     if ns.config is not None:
         settings["model_config"] = parse_model_config(ns.config)
     peers = split_list(ns.peers) if ns.peers is not None else None

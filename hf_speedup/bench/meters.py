@@ -1,8 +1,10 @@
 """What a bench worker measures besides time: the tokens of each optimizer step, counted as the trainer's
-``training_step`` receives its batches, and on CPU one step's live tensor bytes under torch's MemTracker."""
+``training_step`` receives its batches, on CPU one step's live tensor bytes under torch's MemTracker, and with
+``--breakdown`` where one profiled step's time goes."""
 
 from __future__ import annotations
 
+from ..features.profile.breakdown import time_breakdown
 from ..report.measure import attention_length, batch_counts
 from ..report.measure.memory_watch import NoHook
 
@@ -73,3 +75,36 @@ class MemoryProbe:
         except Exception as exc:
             self.error = f"MemTracker failed: {exc!r}"
         self.tracker = None
+
+
+class StepProfiler:
+    """One step under torch.profiler (after the timed ones: the profiler slows it), its time by bucket."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.prof = None
+        self.breakdown: dict | None = None
+        self.error: str | None = None
+
+    def start(self) -> None:
+        try:
+            import torch
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.start()
+        except Exception as exc:  # the breakdown must never break the benchmark; say why instead
+            self.prof, self.error = None, f"torch.profiler could not start: {exc!r}"
+
+    def stop(self, seconds: float) -> None:
+        """Stop and sort the step's operators; ``seconds`` is the step's wall time on the bench clock."""
+        if self.prof is None:
+            return
+        try:
+            self.prof.stop()
+            self.breakdown = time_breakdown(self.prof.events(), self.device == "cuda", step_us=seconds * 1e6, steps=1)
+        except Exception as exc:
+            self.error = f"profiling the step failed: {exc!r}"
+        self.prof = None

@@ -74,6 +74,7 @@ class BenchOptions:
     seed: int = 0
     command: str | None = None  # the command line, for the record
     profile: str | None = None
+    breakdown: bool = False  # profile one extra steady step per variant: where its time goes, by bucket
 
     # ------------------------------------------------------------------------------ derived
     @property

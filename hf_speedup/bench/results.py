@@ -10,6 +10,11 @@
 - MFU: PaLM FLOPs per token (``report.measure.flops_per_token``, S the token-weighted mean sequence length) x
   tokens/s / peak FLOP/s of the dtype in use; empty where the peak is unknown (CPUs, unless
   ``HF_SPEEDUP_PEAK_FLOPS`` is set);
+- model FLOP/s: the same FLOPs per token x tokens/s, achieved; % matmul peak: model FLOP/s over this machine's
+  matmul peak (a large GEMM in the variant's dtype, timed in the worker once per machine and cached; empty with
+  ``HF_SPEEDUP_MEASURE=0``): the step against what this device really delivers, where MFU has no peak;
+- breakdown (``--breakdown``): one extra step under torch.profiler, its time by bucket (matmul, attention,
+  loss, optimizer, data, compiled, elementwise, overhead), in ``bench.json`` and the notes;
 - cold start: process start to the end of step 1 with empty compile caches (imports, model, trainer,
   compile and the first step);
 - loss: the mean training loss of the last ``max(1, steps // 5)`` steps, and its difference from stock's
@@ -21,11 +26,12 @@ from __future__ import annotations
 import math
 import statistics
 
+from ..features.profile.breakdown import breakdown_lines
 from ..report.measure import flops_per_token
 from .options import LORA_REFERENCE, REFERENCE, BenchOptions, preset_config
 
-COLUMNS = ("variant", "tokens/s", "x stock (IQR)", "step ms", "peak mem MiB", "peak RSS MiB", "MFU",
-           "cold start s", "loss", "Δ loss")
+COLUMNS = ("variant", "tokens/s", "x stock (IQR)", "step ms", "peak mem MiB", "peak RSS MiB", "model GFLOP/s",
+           "% matmul peak", "MFU", "cold start s", "loss", "Δ loss")
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -112,6 +118,13 @@ def summarize(rows: dict[str, dict], options: BenchOptions) -> list[dict]:
             metrics["flops_per_token"] = fpt
             metrics["mfu"] = fpt * tps / result["peak_flops"] if result.get("peak_flops") else None
             metrics["mfu_reason"] = result.get("peak_flops_source")
+            metrics["model_flops_per_second"] = fpt * tps
+            peak = result.get("matmul_peak_flops")
+            metrics["matmul_peak_flops_per_second"] = peak
+            metrics["matmul_peak_source"] = result.get("matmul_peak_source")
+            metrics["fraction_of_matmul_peak"] = fpt * tps / peak if peak else None
+        if result.get("time_breakdown") is not None:
+            metrics["time_breakdown"] = result["time_breakdown"]
         entry["metrics"] = metrics
         entry["worker"] = {k: v for k, v in result.items() if k != "tokens"}
         entry["steps"] = {"seconds": row["seconds"], "tokens": result.get("tokens")}
@@ -142,8 +155,12 @@ def table_rows(entries: list[dict]) -> list[list[str]]:
         x = m.get("x_stock")
         ratio = f"{x['median']:.2f} ({x['p25']:.2f}-{x['p75']:.2f})" if x else ""
         mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else ""
+        flops = m.get("model_flops_per_second")
+        matmul = m.get("fraction_of_matmul_peak")
         rows.append([e["name"], f"{m['tokens_per_second']:,.0f}", ratio, f"{1e3 * m['step_time_s']:.1f}",
-                     _mib(m.get("peak_memory_bytes")), _mib(m.get("peak_rss_bytes")), mfu,
+                     _mib(m.get("peak_memory_bytes")), _mib(m.get("peak_rss_bytes")),
+                     _num(flops / 1e9 if flops is not None else None, ",.1f"),
+                     f"{100 * matmul:.1f}%" if matmul is not None else "", mfu,
                      _num(m.get("cold_start_s"), ".1f"), _num(m.get("loss"), ".4f"),
                      _delta(m.get("loss_vs_stock"))])
     return rows
@@ -168,6 +185,17 @@ def notes(entries: list[dict], options: BenchOptions, device: str) -> list[str]:
     if ok and all(e["metrics"].get("mfu") is None for e in ok):
         reason = next((e["metrics"].get("mfu_reason") for e in ok if e["metrics"].get("mfu_reason")), None)
         out.append(f"MFU: empty, {reason or 'peak FLOP/s unknown'}.")
+    peaks = {(e["worker"].get("compute_dtype"), e["metrics"].get("matmul_peak_source")) for e in ok
+             if e["metrics"].get("matmul_peak_source")}
+    for dtype, source in sorted(peaks, key=str):
+        out.append(f"% matmul peak ({dtype}): model FLOP/s over {source}.")
+    for e in ok:
+        split = e["metrics"].get("time_breakdown") or {}
+        if split.get("steps"):
+            out.append(f"{e['name']}: one profiled step of {split['step_ms']:,.1f} ms (under the profiler): "
+                       + ", ".join(breakdown_lines(split)) + ".")
+        elif split:
+            out.append(f"{e['name']}: no breakdown ({split.get('reason')}).")
     out.append(f"loss: mean training loss of steps {options.steps - options.loss_window + 1}-{options.steps} "
                "(same batches, same order for every variant); Δ loss = variant - stock.")
     ref_tokens = next((e["metrics"].get("tokens_counted") for e in ok if e["name"] == REFERENCE), None)

@@ -133,8 +133,8 @@ def worker_spec(options: BenchOptions, name: str, device: str, output: str) -> d
         "variant": name, "kind": variant_kind(name, options.custom), "slug": slug(name),
         "custom": options.custom.get(name), "options": options.to_dict(), "device": device,
         "bf16": options.bf16(device), "output": output, "warmup": options.warmup_steps,
-        "loss_window": options.loss_window, "track_memory": track,
-        "total_steps": options.steps + (1 if track else 0),
+        "loss_window": options.loss_window, "track_memory": track, "breakdown": options.breakdown,
+        "total_steps": options.steps + (1 if track else 0) + (1 if options.breakdown else 0),
     }
 
 
@@ -147,7 +147,7 @@ class Run:
         self.rows: dict[str, dict] = {n: {"name": n, "kind": variant_kind(n, options.custom), "status": "pending",
                                           "seconds": [], "faults": []} for n in self.names}
         self.workers: dict[str, Worker] = {}
-        self.total_steps = options.steps + (0 if device == "cuda" else 1)
+        self.total_steps = options.steps + (0 if device == "cuda" else 1) + (1 if options.breakdown else 0)
 
     # ----------------------------------------------------------------------------- one worker
     def fail(self, name: str, why: str) -> None:

@@ -20,7 +20,7 @@ import traceback
 from types import SimpleNamespace
 
 from .data import as_dataset, make_rows
-from .meters import MemoryProbe, TokenMeter
+from .meters import MemoryProbe, StepProfiler, TokenMeter
 from .variants import build_trainer, random_model, tokenizer_for
 
 
@@ -73,7 +73,8 @@ class Clock:
 
 
 def bench_callback(clock: Clock, meter: TokenMeter, memory: MemoryProbe, loss_steps: set[int],
-                   track_at: int | None, device: str):
+                   track_at: int | None, device: str, profiler: StepProfiler | None = None,
+                   profile_at: int | None = None):
     """The TrainerCallback of the lock step; added last, so every other callback's work is inside the step."""
     from transformers import TrainerCallback
 
@@ -94,9 +95,13 @@ def bench_callback(clock: Clock, meter: TokenMeter, memory: MemoryProbe, loss_st
             meter.close_step()
             if track_at is not None and state.global_step == track_at + 1:
                 memory.stop()
+            if profile_at is not None and state.global_step == profile_at:
+                profiler.stop(seconds)
             if state.global_step in loss_steps:
                 control.should_log = True
             clock.report(state.global_step, seconds, faults)
+            if profile_at is not None and state.global_step == profile_at - 1:
+                profiler.start()  # the parent's "go" for the profiled step has come: from here on it is timed
 
     return BenchCallback()
 
@@ -143,9 +148,11 @@ def summarize_trainer(spec: dict, trainer, meter: TokenMeter, memory: MemoryProb
     """What the parent needs from this process once training is over."""
     import torch
 
+    from ..hardware import cpu_name
     from ..model_info import parameter_counts
     from ..peak_flops import resolve_peak_flops
     from ..report.measure import attention_dims, compute_dtype, dynamo_snapshot
+    from ..report.measure.matmul_peak import matmul_peak
 
     device = spec["device"]
     out: dict = {"trainer_class": type(trainer).__name__, "tokens": meter.per_step(),
@@ -168,10 +175,13 @@ def summarize_trainer(spec: dict, trainer, meter: TokenMeter, memory: MemoryProb
     layers, width = attention_dims(model)
     dtype = compute_dtype(trainer.args, model, device)
     peak, peak_source = resolve_peak_flops(device, out.get("device_name"), dtype)
+    # this machine's own GEMM ceiling in the variant's dtype: timed here, after every timed step of every variant
+    # (the parent finishes one worker at a time), once per machine (cached)
+    matmul, matmul_source = matmul_peak(device, out.get("device_name") or cpu_name(), dtype)
     out.update(matmul_trainable=counts.matmul_trainable, matmul_frozen=counts.matmul_frozen,
                trainable_parameters=counts.trainable, total_parameters=counts.total, layers=layers,
                attention_width=width, compute_dtype=dtype, peak_flops=peak, peak_flops_source=peak_source,
-               compile=dynamo_snapshot())
+               matmul_peak_flops=matmul, matmul_peak_source=matmul_source, compile=dynamo_snapshot())
     report = getattr(trainer, "speedup_report", None)
     if report is not None:
         plan = report.to_dict()["plan"]
@@ -194,13 +204,18 @@ def run(spec: dict, chan: Channel) -> dict:
     clock = Clock(chan, spec["device"], spec["total_steps"])
     if spec["kind"] == "custom":
         return run_custom(spec, chan, clock, tok, rows, dataset)
-    meter, memory = TokenMeter(), MemoryProbe()
+    meter, memory, profiler = TokenMeter(), MemoryProbe(), StepProfiler(spec["device"])
     trainer = build_trainer(spec, meter, tok, dataset)
     n, window = opts["steps"], spec["loss_window"]
     track_at = n if spec["track_memory"] else None
-    trainer.add_callback(bench_callback(clock, meter, memory, {n - window, n} - {0}, track_at, spec["device"]))
+    profile_at = spec["total_steps"] if spec.get("breakdown") else None  # the last step, after the tracked one
+    trainer.add_callback(bench_callback(clock, meter, memory, {n - window, n} - {0}, track_at, spec["device"],
+                                        profiler, profile_at))
     trainer.train()
-    return summarize_trainer(spec, trainer, meter, memory)
+    out = summarize_trainer(spec, trainer, meter, memory)
+    if profile_at is not None:
+        out["time_breakdown"] = profiler.breakdown or {"steps": 0, "reason": profiler.error or "not profiled"}
+    return out
 
 
 def main(argv: list[str]) -> None:

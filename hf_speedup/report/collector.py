@@ -194,6 +194,7 @@ class SpeedupCallback(TrainerCallback):
         self.facts.describe(self.trainer.model)  # a model made by ``model_init`` inside ``train()``
         self.trainer.verify_speedup()
         self.facts.resolve_peak(self.trainer)
+        self.facts.measure_matmul_peak(self.trainer)  # once per machine (cached); not with HF_SPEEDUP_MEASURE=0
         M.reset_peak_memory(self.facts.device_type, getattr(args, "device", None))
         report = self.trainer.speedup_report
         report.environment = M.environment(self.trainer.speedup_plan.caps)

@@ -132,6 +132,16 @@ def fmt_pct(v) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
+def fmt_flops(v) -> str:
+    """FLOP/s with an SI prefix: ``1.23 TFLOP/s``, ``85.0 GFLOP/s``."""
+    if v is None:
+        return "-"
+    for unit, div in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6)):
+        if abs(v) >= div:
+            return f"{v / div:,.{1 if abs(v) >= 10 * div else 2}f} {unit}FLOP/s"
+    return f"{v:,.0f} FLOP/s"
+
+
 def fmt_params(n) -> str:
     if n is None:
         return "-"
@@ -164,6 +174,11 @@ def metric_rows(report: dict) -> list[list[str]]:
         ["step time", fmt_seconds(m.get("step_time_s")),
          f"median of {steady} steady steps of {steps}" if steps else "steady state"],
         ["MFU", fmt_pct(m.get("mfu")), mfu_note],
+        ["model FLOP/s", fmt_flops(m.get("model_flops_per_second")),
+         f"FLOPs per token x steady tokens/s; whole run {fmt_flops(m.get('whole_run_model_flops_per_second'))}"],
+        ["matmul peak", fmt_flops(m.get("matmul_peak_flops_per_second")), x.get("matmul_peak_source") or ""],
+        ["of matmul peak", fmt_pct(m.get("fraction_of_matmul_peak")),
+         f"model FLOP/s / (matmul peak x {x.get('num_devices', 1)})"],
         ["peak mem allocated", fmt_bytes(m.get("peak_memory_allocated_bytes")),
          measures.get("peak_memory_allocated_bytes", mem_note)],
         ["peak mem reserved", fmt_bytes(m.get("peak_memory_reserved_bytes")),
@@ -179,6 +194,14 @@ def metric_rows(report: dict) -> list[list[str]]:
          fmt_num(m.get("trainable_parameters"))],
         ["total params", fmt_params(m.get("total_parameters")), fmt_num(m.get("total_parameters"))],
     ]
+    split = ((report.get("profile") or {}).get("time_breakdown") or {})
+    if split.get("steps"):  # a profile window ran: where its step's time went
+        first, last = (report.get("profile") or {}).get("steps") or ["?", "?"]
+        rows.append(["profiled step", fmt_seconds(split["step_ms"] / 1e3),
+                     f"steps {first}-{last} under the profiler (slower than the run's); by bucket:"])
+        for bucket, ms in sorted(split["buckets_ms"].items(), key=lambda kv: -kv[1]):
+            if ms > 0:
+                rows.append([f"  {bucket}", f"{split['buckets_percent'][bucket]:.1f}%", fmt_seconds(ms / 1e3)])
     return rows
 
 
@@ -231,6 +254,8 @@ def compare_table(reports: list[dict], labels: list[str], width: int = 80) -> st
                                 ("tokens/s whole", "whole_run_tokens_per_second", fmt_num),
                                 ("samples/s", "samples_per_second", lambda v: fmt_num(v, 2)),
                                 ("step time", "step_time_s", fmt_seconds), ("MFU", "mfu", fmt_pct),
+                                ("model FLOP/s", "model_flops_per_second", fmt_flops),
+                                ("of matmul peak", "fraction_of_matmul_peak", fmt_pct),
                                 ("peak allocated", "peak_memory_allocated_bytes", fmt_bytes),
                                 ("peak reserved", "peak_memory_reserved_bytes", fmt_bytes),
                                 ("compile time", "compile_seconds", fmt_seconds),

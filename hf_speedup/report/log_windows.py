@@ -36,6 +36,8 @@ class LogWindows:
         tokens = agg["tokens"] - self.last_log["tokens"]
         samples = agg["samples"] - self.last_log["samples"]
         tps = tokens / wall if wall > 0 and tokens else None
+        fpt = facts.flops_per_token(*(agg[k] - self.last_log[k] for k in M.COUNTS[2:]))
+        achieved = M.model_flops_per_second(tps, fpt)
         dyn = clock.compile_diff()
         elapsed = sum(clock.times)
         entry = {
@@ -45,8 +47,9 @@ class LogWindows:
             "tokens_per_second": tps,
             "samples_per_second": samples / wall if wall > 0 and samples else None,
             "step_time_s": step_time,
-            "mfu": M.mfu(tps, facts.flops_per_token(*(agg[k] - self.last_log[k] for k in M.COUNTS[2:])),
-                         facts.peak_flops, devices),
+            "mfu": M.mfu(tps, fpt, facts.peak_flops, devices),
+            "model_flops_per_second": achieved,
+            "fraction_of_matmul_peak": M.fraction_of_peak(achieved, facts.matmul_peak, devices),
             "peak_memory_allocated_bytes": agg["peak_memory_allocated_bytes"],
             "peak_memory_reserved_bytes": agg["peak_memory_reserved_bytes"],
             "memory_allocated_bytes": agg["memory_allocated_bytes"],

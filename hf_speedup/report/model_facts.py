@@ -4,9 +4,11 @@ FLOP/s, the number of devices. Kept apart from the collector so that its hooks o
 
 from __future__ import annotations
 
+from ..measured import shared_across_ranks
 from ..model_info import ParamCounts, parameter_counts
 from ..peak_flops import resolve_peak_flops
 from . import measure as M
+from .measure.matmul_peak import matmul_peak
 
 
 class ModelFacts:
@@ -15,6 +17,8 @@ class ModelFacts:
     def __init__(self) -> None:
         self.params: ParamCounts | None = None
         self.layers = self.attention_width = None
+        self.matmul_peak: float | None = None  # this machine's measured GEMM FLOP/s per device, in the run's dtype
+        self.matmul_peak_source = "matmul peak not measured (training did not start)"
 
     def describe(self, model) -> None:
         """Parameter counts and attention dimensions, once (the first model seen, before it is wrapped)."""
@@ -29,6 +33,18 @@ class ModelFacts:
         self.device_type = device_type
         self.dtype = M.compute_dtype(trainer.args, trainer.model, device_type)
         self.peak_flops, self.peak_source = resolve_peak_flops(device_type, caps.device_name, self.dtype)
+
+    def measure_matmul_peak(self, trainer) -> None:
+        """This machine's matmul peak in the compute dtype (:mod:`.measure.matmul_peak`), timed once per machine and
+        cached; rank 0's figure on every rank. Call after :meth:`resolve_peak`, at train begin."""
+        caps = trainer.speedup_plan.caps
+
+        def measure() -> dict:
+            value, source = matmul_peak(self.device_type, caps.device_name, self.dtype)
+            return {"value": value, "source": source}
+
+        found = shared_across_ranks(measure)
+        self.matmul_peak, self.matmul_peak_source = found["value"], found["source"]
 
     def flops_per_token(self, attended_tokens: int, attended_squares: int) -> float | None:
         seq_len = M.attention_length(attended_tokens, attended_squares)

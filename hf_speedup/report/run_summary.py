@@ -58,6 +58,7 @@ def summarize(total: carry.Carried, agg: dict, clock: StepClock, facts: ModelFac
     fpt = facts.flops_per_token(total.attended_tokens, total.attended_squares)
     params = facts.params or ParamCounts(0, 0, 0, 0, 0)
     wall = total.wall_seconds
+    achieved = M.model_flops_per_second(tps, fpt)
     metrics = Metrics(**{
         "tokens_per_second": tps,
         "samples_per_second": sps,
@@ -66,6 +67,10 @@ def summarize(total: carry.Carried, agg: dict, clock: StepClock, facts: ModelFac
         "whole_run_samples_per_second": samples / wall if wall and samples else None,
         "whole_run_seconds": round(wall, 4) if wall else None,
         "mfu": M.mfu(tps, fpt, facts.peak_flops, devices),
+        "model_flops_per_second": achieved,
+        "whole_run_model_flops_per_second": M.model_flops_per_second(tokens / wall if wall and tokens else None, fpt),
+        "matmul_peak_flops_per_second": facts.matmul_peak,
+        "fraction_of_matmul_peak": M.fraction_of_peak(achieved, facts.matmul_peak, devices),
         "peak_memory_allocated_bytes": agg["peak_memory_allocated_bytes"],
         "peak_memory_reserved_bytes": agg["peak_memory_reserved_bytes"],
         "compile_seconds": round(total.compile_seconds, 6),
@@ -104,6 +109,8 @@ def summarize(total: carry.Carried, agg: dict, clock: StepClock, facts: ModelFac
         "compute_dtype": facts.dtype,
         "peak_flops_per_device": facts.peak_flops,
         "peak_flops_source": facts.peak_source,
+        "matmul_peak_dtype": facts.dtype,
+        "matmul_peak_source": facts.matmul_peak_source,
         "num_devices": devices,
         "memory_source": M.memory_source(facts.device_type),
         "wall_seconds": round(total.wall_seconds, 4),

@@ -10,12 +10,18 @@ it, the sinks (JSON, W&B, console) and ``hf-speedup report`` only read it.
   peak FLOP/s is unknown) and beside them the whole-run ones (``whole_run_*``: wall clock, compiles and
   recompiles included) with the seconds spent compiling (``compile_seconds``, of which
   ``recompile_seconds`` after the first step);
+- ``metrics`` also states the step against this machine's own limit: ``model_flops_per_second`` (achieved:
+  FLOPs per token x steady tokens/s, all ranks; ``whole_run_model_flops_per_second`` on the wall clock),
+  ``matmul_peak_flops_per_second`` (a large GEMM in the run's dtype timed in process, cached per machine; null
+  with ``HF_SPEEDUP_MEASURE=0``) and ``fraction_of_matmul_peak`` (achieved / (matmul peak x devices));
 - ``measurement``: how the metrics were obtained (steps, tokens, FLOPs per token, peak used, dtype ...);
 - ``environment``: package versions and the device;
 - ``history``: one entry per logging step (throughput, step time, memory), bounded in length;
 - ``step_times``: ``[global_step, seconds, compiled]`` per optimizer step, bounded in length;
 - ``profile``: null unless ``profile.enabled``; then the profiled steps, the trace file (TensorBoard /
-  Perfetto), the labels found in it, the top operators by self time and the CUDA memory snapshot (or why none);
+  Perfetto), the labels found in it, the top operators by self time, ``time_breakdown`` (the profiled step's
+  time by bucket: matmul, attention, loss, optimizer, data, other kernels, Python/framework overhead) and the
+  CUDA memory snapshot (or why none);
 - ``capabilities``, ``model``, ``config``: what the plan was built from.
 """
 
@@ -51,6 +57,11 @@ class Metrics:
     whole_run_samples_per_second: float | None = None
     whole_run_seconds: float | None = None
     mfu: float | None = None
+    # achieved model FLOP/s (FLOPs per token x tokens/s, all ranks): steady state and whole run
+    model_flops_per_second: float | None = None
+    whole_run_model_flops_per_second: float | None = None
+    matmul_peak_flops_per_second: float | None = None  # this machine's measured GEMM FLOP/s per device, run's dtype
+    fraction_of_matmul_peak: float | None = None  # model_flops_per_second / (matmul peak x devices)
     peak_memory_allocated_bytes: int | None = None
     peak_memory_reserved_bytes: int | None = None  # CPU: peak RSS of the process
     compile_seconds: float | None = None  # dynamo + backend, every compile of the run
@@ -65,7 +76,8 @@ class Metrics:
 
 SUMMARY_METRICS = tuple(f.name for f in dataclasses.fields(Metrics))
 # Logged at every logging step (the summary adds the rest).
-STEP_METRICS = ("tokens_per_second", "samples_per_second", "step_time_s", "mfu", "peak_memory_allocated_bytes",
+STEP_METRICS = ("tokens_per_second", "samples_per_second", "step_time_s", "mfu", "model_flops_per_second",
+                "fraction_of_matmul_peak", "peak_memory_allocated_bytes",
                 "peak_memory_reserved_bytes", "recompiles", "whole_run_tokens_per_second", "compile_seconds")
 
 

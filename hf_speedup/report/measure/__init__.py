@@ -21,11 +21,14 @@ Definitions (DESIGN.md, "Metric definitions"):
   sequence; the plain mean under-counts ragged batches, and a padding-free row is its sequences). Recomputation by activation checkpointing is *not*
   counted: this is MFU, not HFU.
 - MFU = FLOPs per token x tokens/s (all ranks) / (peak dense FLOP/s of the dtype in use x devices).
+- Fraction of the matmul peak = the same achieved FLOP/s / (this machine's measured large-GEMM FLOP/s in the
+  run's dtype x devices): the step against what the device really delivers, where MFU has no peak (CPUs).
 
 The measurements live in one module per job; this package gathers their names:
 
 - :mod:`.tokens`: tokens and sequences of a batch, counted on the device, summed over ranks;
-- :mod:`.flops`: FLOPs per token, MFU, the compute dtype;
+- :mod:`.flops`: FLOPs per token, MFU, achieved model FLOP/s and its fraction of a peak, the compute dtype;
+- :mod:`.matmul_peak`: this machine's matmul peak in the run's dtype (a large GEMM timed once per machine);
 - :mod:`.memory_watch`: allocator peaks, the memory estimate, one step's live tensors;
 - :mod:`.dynamo_counters`: compile seconds, recompiles, graph breaks, compiled regions;
 - :mod:`.step_times`: the steady-state step time, bounded series;
@@ -36,7 +39,8 @@ from __future__ import annotations
 
 from .dynamo_counters import compile_events, compiled_regions, dynamo_diff, dynamo_snapshot
 from .environment import environment, package_versions
-from .flops import attention_dims, compute_dtype, flops_per_token, mfu
+from .flops import (attention_dims, compute_dtype, flops_per_token, fraction_of_peak, mfu,
+                    model_flops_per_second)
 from .memory_watch import (LiveTensorStep, MemoryWatch, current_rss_bytes, estimated_peak, memory_measures,
                            memory_snapshot, memory_source, peak_rss_bytes, reset_peak_memory)
 from .step_times import BoundedSeries, steady_state_step_time
@@ -47,6 +51,7 @@ __all__ = [
     "BoundedSeries", "COUNTS", "IGNORE_INDEX", "LiveTensorStep", "MemoryWatch", "RANK_FIELDS", "TokenCounter",
     "aggregate_ranks", "attention_dims", "attention_length", "batch_counts", "compile_events", "compiled_regions",
     "compute_dtype", "current_rss_bytes", "dynamo_diff", "dynamo_snapshot", "environment", "estimated_peak",
-    "flops_per_token", "memory_measures", "memory_snapshot", "memory_source", "mfu", "package_versions",
+    "flops_per_token", "fraction_of_peak", "memory_measures", "memory_snapshot", "memory_source", "mfu",
+    "model_flops_per_second", "package_versions",
     "peak_rss_bytes", "reset_peak_memory", "steady_state_step_time",
 ]

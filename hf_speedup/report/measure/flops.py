@@ -45,6 +45,20 @@ def mfu(tokens_per_second: float | None, flops_per_tok: float | None, peak_flops
     return flops_per_tok * tokens_per_second / (peak_flops_per_device * num_devices)
 
 
+def model_flops_per_second(tokens_per_second: float | None, flops_per_tok: float | None) -> float | None:
+    """Achieved model FLOP/s (all ranks): FLOPs per token x tokens/s; None when either is unknown."""
+    if not tokens_per_second or not flops_per_tok:
+        return None
+    return flops_per_tok * tokens_per_second
+
+
+def fraction_of_peak(achieved: float | None, peak_per_device: float | None, num_devices: int = 1) -> float | None:
+    """``achieved`` FLOP/s over ``peak_per_device`` x devices (the measured matmul peak); None when unknown."""
+    if not achieved or not peak_per_device or num_devices < 1:
+        return None
+    return achieved / (peak_per_device * num_devices)
+
+
 def compute_dtype(args: Any = None, model: Any = None, device_type: str = "cpu") -> str:
     """The dtype the matmuls run in: bf16/fp16 (autocast or weights), tf32 (CUDA fp32 with TF32), fp32."""
     if args is not None and getattr(args, "bf16", False):

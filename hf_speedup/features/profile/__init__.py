@@ -11,7 +11,8 @@
   (``<worker>.<ns>.pt.trace.json``, Chrome trace format): ``tensorboard --logdir <output_dir>/profile``
   with the ``torch-tb-profiler`` plugin, or open the file in https://ui.perfetto.dev;
 - the top operators by self time (CPU, or device time on CUDA) in the report's ``profile`` section and
-  printed when the window closes;
+  printed when the window closes, with the step's time by bucket (``time_breakdown``: matmul, attention, loss,
+  optimizer, data, compiled kernels, other operators, Python/framework overhead; :mod:`.breakdown`);
 - on CUDA a memory snapshot of the profiled steps (``torch.cuda.memory._record_memory_history`` ->
   ``memory_snapshot_<worker>.pickle`` beside the trace, for https://pytorch.org/memory_viz). On CPU there
   is no caching allocator to record: reported as not engaged, with that reason.
@@ -36,10 +37,11 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from ..blocks import find_blocks, unwrap_model
-from ..callback_handler import all_callbacks
-from ..plan_types import OFF, Decision, Outcome, PlanContext
-from .compile.payback import MEASURED_STEPS
+from ...blocks import find_blocks, unwrap_model
+from ...callback_handler import all_callbacks
+from ...plan_types import OFF, Decision, Outcome, PlanContext
+from ..compile.payback import MEASURED_STEPS
+from .breakdown import breakdown_lines, time_breakdown
 
 NAME = "profile"
 APPLIES_TO = "model"
@@ -274,14 +276,17 @@ class ProfilerCallback(TrainerCallback):
             "steps": [self.first_step, getattr(self, "last_step", self.first_step)],
             "labels": sorted({e.key for e in averages if e.key.startswith(LABEL)}, key=_label_order),
             **top_operators(averages, self.settings.top_operators, self.settings.device == "cuda"),
+            "time_breakdown": time_breakdown(prof.events(), self.settings.device == "cuda"),
             "memory_snapshot": self._snapshot_entry(),
         }
         self._publish()
         if self.trainer is None or self.trainer.is_world_process_zero():
             sort_by = self.results["sort_by"]
             first, last = self.results["steps"]
+            split = breakdown_lines(self.results["time_breakdown"])
             print(f"hf_speedup profile: steps {first}-{last}, trace {self.results['trace_file']}\n"
-                  + averages.table(sort_by=sort_by, row_limit=self.settings.top_operators))
+                  + averages.table(sort_by=sort_by, row_limit=self.settings.top_operators)
+                  + (f"\nstep time by bucket: {', '.join(split)}" if split else ""))
 
     def _snapshot_entry(self) -> dict:
         if not self.settings.memory_snapshot:
