@@ -225,6 +225,7 @@ def fake_matmul_peak(monkeypatch, cache_dir, flops: float = 5e9) -> list:
 
     monkeypatch.setenv(measured.MEASURE_ENV, "1")
     monkeypatch.setenv(measured.CACHE_ENV, str(cache_dir))
+    monkeypatch.setenv("HF_SPEEDUP_FAKE_CPU_AMX", "0")  # the plan's dtype from the flag, not from a timing
     timed: list = []
 
     def fake_timer(device_type, dtype, size):

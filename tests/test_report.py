@@ -160,7 +160,7 @@ def test_the_step_against_a_measured_matmul_peak(tiny_model, dataset, collator, 
                                                 tracker, capsys):
     """With measuring on, the collector times this machine's matmul peak once (here a fake timer) in the run's
     dtype; the report states achieved model FLOP/s and its fraction of that peak in the JSON, the trackers and
-    the console; a second run reads the peak back from the cache."""
+    the console; a second run times it again and keeps the best figure the machine has shown."""
     from hf_speedup.report.sinks import wandb_summary_items
 
     timed = fake_matmul_peak(monkeypatch, tmp_path / "cache")
@@ -187,7 +187,7 @@ def test_the_step_against_a_measured_matmul_peak(tiny_model, dataset, collator, 
     assert "of matmul peak" in out and "5.00 GFLOP/s" in out
 
     again = _train(tiny_model, dataset, collator, make_args, max_steps=2)
-    assert len(timed) == 1 and again.speedup_report.metrics.matmul_peak_flops_per_second == 5e9
+    assert len(timed) == 2 and again.speedup_report.metrics.matmul_peak_flops_per_second == 5e9
     assert "(cached)" in again.speedup_report.measurement["matmul_peak_source"]
 
 
