@@ -11,7 +11,8 @@ Conventions (CONTRIBUTING.md, "Code blocks in the docs are tests"):
   parsed by the CLI's own parser (an unknown flag or a bad value fails) and run, with ``--help`` appended
   unless it has ``--tiny`` (in a marked block: always with ``--help``); other lines are not run.
 
-``python tests/doc_blocks.py PAGE.md`` runs one page (what ``run_page`` starts) and exits 1 when a block fails.
+``python tests/doc_blocks.py PAGE.md [checks|tiny]`` runs one page (what ``run_page`` starts: ``checks`` is all
+but the real ``--tiny`` runs, ``tiny`` only those) and exits 1 when a block fails.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MARKERS = ("gpu", "multi-node", "network")
 PYTHON = {"python", "py", "python3"}
 SHELL = {"bash", "sh", "shell", "console"}
-PAGE_TIMEOUT_S = 180  # python blocks and hf-speedup lines of one page, together
-TINY_RUN_TIMEOUT_S = 600  # added per hf-speedup line that runs for real (--tiny)
+PAGE_TIMEOUT_S = float(os.environ.get("HF_SPEEDUP_DOCS_TIMEOUT", 300))  # one page's checks, together
+TINY_RUN_TIMEOUT_S = 600  # per hf-speedup line that runs for real (--tiny)
 SHELL_STOP = {"|", "||", "&&", ";", ">", ">>", "2>", "&"}
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
@@ -125,8 +126,8 @@ def runs_for_real(argv: list[str], block: Block) -> bool:
     return "--tiny" in argv and block.marker is None
 
 
-def _cli_argv(argv: list[str], block: Block) -> list[str]:
-    return argv if runs_for_real(argv, block) or {"-h", "--help"} & set(argv) else [*argv, "--help"]
+def _cli_argv(argv: list[str], real: bool) -> list[str]:
+    return argv if real or {"-h", "--help"} & set(argv) else [*argv, "--help"]
 
 
 def check_parses(argv: list[str]) -> str | None:
@@ -147,16 +148,34 @@ def check_parses(argv: list[str]) -> str | None:
     return None
 
 
-def run_command(argv: list[str], block: Block, cwd: str, timeout: float) -> str | None:
-    cmd = [sys.executable, "-c", "import sys; from hf_speedup.cli import main; sys.exit(main(sys.argv[1:]))",
-           *_cli_argv(argv, block)]
+def run_help(argv: list[str]) -> str | None:
+    """``hf-speedup ARGV --help`` in this process (the page's own, so hf_speedup is imported once per page)."""
+    import contextlib
+    import io
+
+    from hf_speedup.cli import main
+
+    argv, out = _cli_argv(argv, False), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    if code not in (0, None) or "usage: hf-speedup" not in out.getvalue():
+        return f"hf-speedup {shlex.join(argv)}: exit status {code}\n{out.getvalue()[-3000:]}"
+    return None
+
+
+def run_command(argv: list[str], real: bool, cwd: str, timeout: float) -> str | None:
+    """``hf-speedup ARGV`` in its own process (``--help`` appended unless ``real``); what went wrong, else None."""
+    argv = _cli_argv(argv, real)
+    cmd = [sys.executable, "-c", "import sys; from hf_speedup.cli import main; sys.exit(main(sys.argv[1:]))", *argv]
     try:
         out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"hf-speedup {shlex.join(_cli_argv(argv, block))}: still running after {timeout:.0f} s"
+        return f"hf-speedup {shlex.join(argv)}: still running after {timeout:.0f} s"
     if out.returncode != 0:
-        return (f"hf-speedup {shlex.join(_cli_argv(argv, block))}: exit status {out.returncode}\n"
-                f"{(out.stdout + out.stderr)[-3000:]}")
+        return f"hf-speedup {shlex.join(argv)}: exit status {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}"
     return None
 
 
@@ -240,13 +259,20 @@ def check_static(block: Block) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- one page
-def page_timeout(blocks: list[Block]) -> float:
-    real = sum(runs_for_real(argv, b) for b in blocks if b.lang == "shell" for _, argv in hf_speedup_commands(b))
-    return PAGE_TIMEOUT_S + TINY_RUN_TIMEOUT_S * real
+def tiny_runs(blocks: list[Block]) -> int:
+    """How many ``hf-speedup ... --tiny`` lines of these blocks run for real."""
+    return sum(runs_for_real(argv, b) for b in blocks if b.lang == "shell" for _, argv in hf_speedup_commands(b))
 
 
-def run_blocks(page: Path) -> int:
-    """In this (fresh) process: every block of the page, in order. Prints each finding; 1 when any failed."""
+def page_timeout(blocks: list[Block], mode: str = "checks") -> float:
+    return PAGE_TIMEOUT_S if mode == "checks" else TINY_RUN_TIMEOUT_S * max(1, tiny_runs(blocks))
+
+
+def run_blocks(page: Path, mode: str = "checks") -> int:
+    """In this (fresh) process, the page's blocks in order; prints each finding, returns 1 when any failed.
+
+    ``checks``: the python blocks, and every ``hf-speedup`` line parsed and run with ``--help`` (``--tiny`` ones
+    too); ``tiny``: only the ``hf-speedup ... --tiny`` lines, run for real (minutes each)."""
     blocks, failed, namespace = collect(page), 0, {"__name__": "__main__"}
     python_broken = False
 
@@ -258,7 +284,12 @@ def run_blocks(page: Path) -> int:
               + (f", needs {block.marker}" if block.marker else "") + f"):\n{text}\n", flush=True)
 
     for block in blocks:
-        if block.lang == "python" and block.marker:
+        if mode == "tiny":
+            for line, argv in hf_speedup_commands(block) if block.lang == "shell" else []:
+                if runs_for_real(argv, block) and (problem := run_command(argv, True, os.getcwd(),
+                                                                          TINY_RUN_TIMEOUT_S)):
+                    fail(block, line, problem)
+        elif block.lang == "python" and block.marker:
             for problem in check_static(block):
                 fail(block, None, problem)
         elif block.lang == "python":
@@ -273,11 +304,10 @@ def run_blocks(page: Path) -> int:
                 fail(block, None, traceback.format_exc(limit=-8))
         elif block.lang == "shell":
             for line, argv in hf_speedup_commands(block):
-                problem = check_parses(argv) or run_command(argv, block, os.getcwd(), PAGE_TIMEOUT_S
-                                                            + TINY_RUN_TIMEOUT_S * runs_for_real(argv, block))
+                problem = check_parses(argv) or run_help(argv)
                 if problem:
                     fail(block, line, problem)
-    print(f"{_rel(page)}: {len(blocks)} blocks, {failed} failed", flush=True)
+    print(f"{_rel(page)} ({mode}): {len(blocks)} blocks, {failed} failed", flush=True)
     return 1 if failed else 0
 
 
@@ -287,11 +317,11 @@ def page_env() -> dict:
             "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg", "PYTHONPATH": path}
 
 
-def run_page(page: Path, timeout: float | None = None) -> subprocess.CompletedProcess:
-    """The page's blocks in a fresh process, cwd a temporary folder; a timeout is a failed run (returncode -9)."""
-    timeout = timeout or page_timeout(collect(page))
+def run_page(page: Path, mode: str = "checks", timeout: float | None = None) -> subprocess.CompletedProcess:
+    """``run_blocks`` in a fresh process, cwd a temporary folder; a timeout is a failed run (returncode -9)."""
+    timeout = timeout or page_timeout(collect(page), mode)
     with tempfile.TemporaryDirectory(prefix="doc_blocks_") as cwd:
-        cmd = [sys.executable, str(Path(__file__).resolve()), str(page.resolve())]
+        cmd = [sys.executable, str(Path(__file__).resolve()), str(page.resolve()), mode]
         try:
             return subprocess.run(cmd, cwd=cwd, env=page_env(), capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
@@ -305,4 +335,4 @@ def doc_pages(root: Path = ROOT) -> list[Path]:
 
 
 if __name__ == "__main__":
-    sys.exit(run_blocks(Path(sys.argv[1])))
+    sys.exit(run_blocks(Path(sys.argv[1]), *sys.argv[2:3]))

@@ -12,22 +12,31 @@ import textwrap
 
 import pytest
 from doc_blocks import (ROOT, Block, MarkerError, check_static, collect, doc_pages, hf_speedup_commands, page_timeout,
-                        run_page, runs_for_real)
+                        run_page, runs_for_real, tiny_runs)
 
 
-def _params():
+def _params(mode: str):
     out = []
     for page in doc_pages():
-        real = any(runs_for_real(argv, b) for b in collect(page) if b.lang == "shell"
-                   for _, argv in hf_speedup_commands(b))
-        marks = [pytest.mark.slow] if real else []  # a real `hf-speedup ... --tiny` run takes minutes
+        blocks = collect(page)
+        if mode == "tiny" and not tiny_runs(blocks):
+            continue
+        marks = [pytest.mark.timeout(page_timeout(blocks, mode) + 60)]  # the page's own timeout fires first
         out.append(pytest.param(page, marks=marks, id=page.relative_to(ROOT).as_posix()))
     return out
 
 
-@pytest.mark.parametrize("page", _params())
+@pytest.mark.parametrize("page", _params("checks"))
 def test_every_code_block_of_the_page_runs(page):
+    """Python blocks run (marked ones checked), every hf-speedup line parsed and run with --help."""
     result = run_page(page)
+    assert result.returncode == 0, f"{page.relative_to(ROOT)}:\n{result.stdout[-12000:]}\n{result.stderr[-3000:]}"
+
+
+@pytest.mark.slow  # each real `hf-speedup ... --tiny` run takes minutes
+@pytest.mark.parametrize("page", _params("tiny"))
+def test_the_tiny_commands_of_the_page_run_for_real(page):
+    result = run_page(page, "tiny")
     assert result.returncode == 0, f"{page.relative_to(ROOT)}:\n{result.stdout[-12000:]}\n{result.stderr[-3000:]}"
 
 
@@ -170,9 +179,11 @@ def test_hf_speedup_lines_are_found_and_only_tiny_ones_run_for_real(tmp_path):
                         (4, ["estimate", "--model", "PATH", "--seq-len", "2048", "--memory", "24GB"]),
                         (9, ["presets"])]
     assert [runs_for_real(argv, blocks[0]) for _, argv in hf_speedup_commands(blocks[0])] == [True, False]
-    assert page_timeout(blocks) > page_timeout(blocks[1:])
-    result = run_page(page)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert tiny_runs(blocks) == 1 and tiny_runs(blocks[1:]) == 0
+    for mode in ("checks", "tiny"):
+        result = run_page(page, mode)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"({mode}): 2 blocks, 0 failed" in result.stdout
 
 
 def test_an_hf_speedup_line_with_an_unknown_flag_or_command_fails(tmp_path):
@@ -187,3 +198,15 @@ def test_an_hf_speedup_line_with_an_unknown_flag_or_command_fails(tmp_path):
     assert "FAILED page.md:2" in result.stdout.replace(str(tmp_path) + "/", "")
     assert "unrecognized arguments: --no-such-flag 3" in result.stdout
     assert "invalid choice: 'no-such-command'" in result.stdout
+
+
+def test_a_tiny_line_runs_for_real_in_the_tiny_mode_only(tmp_path):
+    page = _page(tmp_path, """
+        ```bash
+        hf-speedup estimate --tiny --seq-len 64 --memory 1KB    # does not fit: exit status 1
+        ```
+        """)
+    assert run_page(page, "checks").returncode == 0  # parsed, and run with --help
+    result = run_page(page, "tiny")
+    assert result.returncode == 1
+    assert "hf-speedup estimate --tiny --seq-len 64 --memory 1KB: exit status 1" in result.stdout, result.stdout
