@@ -299,9 +299,9 @@ def run_blocks(page: Path, mode: str = "checks") -> int:
             try:
                 code = compile("\n" * block.line + block.source, str(block.page.resolve()), "exec")
                 exec(code, namespace)  # noqa: S102 - running the docs' examples is the point
-            except BaseException:  # noqa: BLE001 - SystemExit and KeyboardInterrupt from a block are findings too
-                python_broken = True
-                fail(block, None, traceback.format_exc(limit=-8))
+            except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt from a block are findings
+                python_broken = True  # the traceback from the page's frame on (this runner's frame left out)
+                fail(block, None, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)))
         elif block.lang == "shell":
             for line, argv in hf_speedup_commands(block):
                 problem = check_parses(argv) or run_help(argv)
