@@ -85,7 +85,8 @@ def collect(page: Path) -> list[Block]:
         while end < len(lines) and not (lines[end].strip().startswith(fence[0] * len(fence))
                                         and lines[end].strip().strip(fence[0]) == ""):
             end += 1
-        body = [ln[indent:] if ln[:indent].isspace() else ln.lstrip() for ln in lines[i + 1:end]]
+        # a fence indented inside a list item: its lines lose that indent (and no more)
+        body = [ln[min(indent, len(ln) - len(ln.lstrip())):] for ln in lines[i + 1:end]]
         marker = None
         if i > 0 and (mk := _MARKER.match(lines[i - 1])):
             what = mk["what"]
@@ -335,4 +336,7 @@ def doc_pages(root: Path = ROOT) -> list[Path]:
 
 
 if __name__ == "__main__":
-    sys.exit(run_blocks(Path(sys.argv[1]), *sys.argv[2:3]))
+    target = Path(sys.argv[1]).resolve()
+    if Path.cwd().resolve() == ROOT:  # by hand from the checkout: the page's files go to a temporary folder
+        os.chdir(tempfile.mkdtemp(prefix="doc_blocks_"))
+    sys.exit(run_blocks(target, *sys.argv[2:3]))

@@ -75,6 +75,30 @@ def test_blocks_of_a_page_share_one_namespace_and_run_in_a_temporary_folder(tmp_
     assert not (tmp_path / "made_by_the_page.txt").exists()
 
 
+def test_indentation_inside_a_block_is_kept_and_a_list_items_indent_removed(tmp_path):
+    page = _page(tmp_path, """
+        ```python
+        total = 0
+        for i in range(3):
+            if i:
+                total += i
+        ```
+
+        1. In a list:
+
+           ```python
+           def twice(x):
+               return 2 * x
+           assert twice(total) == 6
+           ```
+        """)
+    blocks = collect(page)
+    assert blocks[0].source == "total = 0\nfor i in range(3):\n    if i:\n        total += i\n"
+    assert blocks[1].source.splitlines()[1] == "    return 2 * x"
+    result = run_page(page)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_a_failing_python_block_fails_and_names_the_page_and_line(tmp_path):
     page = _page(tmp_path, """
         Intro.
