@@ -92,6 +92,7 @@ def run_row(label, model, speedup, overrides, batch, seq, vocab, out):
     lora = est.sizes["lora_adapters"]
     row = {
         "label": label, "batch": f"{batch} x {seq}", "estimate": est.peak_tensor_bytes, "peak_phase": est.peak_phase,
+        "breakdown": dict(est.breakdown),  # the estimate's items alive at its peak ("overhead" is not a tensor)
         "measured": live["bytes"], "by_category": live["by_category"],
         "weights": (est.sizes["weights"], live["by_category"]["Parameter"] - adapters),
         "gradients": ((lora / 4) if lora else est.sizes["gradients"], grads.get("bytes")),
@@ -126,7 +127,7 @@ def main() -> None:
     p.add_argument("--tiny-only", action="store_true")
     p.add_argument("--smollm2-only", action="store_true")
     p.add_argument("--only", nargs="+", metavar="TEXT", help="rows whose label contains one of these")
-    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--json", help="write the rows (and the machine) here")
     ns = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,8 +161,10 @@ def main() -> None:
                     rows.append({"model": "SmolLM2-135M", **run_row(label, copy.deepcopy(base), speedup, overrides,
                                                                    batch, seq, 4096, out)})
     print(table(rows))
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(rows, indent=1))
+    if ns.json:  # the rows and the machine they were measured on (benchmarks/plots.py draws them)
+        from hf_speedup.bench.machine import machine_info
+
+        Path(ns.json).write_text(json.dumps({"machine": machine_info("cpu"), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
