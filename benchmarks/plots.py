@@ -1,7 +1,7 @@
 """The docs' benchmark pictures, redrawn from the results recorded under benchmarks/results/.
 
     python benchmarks/plots.py                                   # benchmarks/results -> docs/img
-    python benchmarks/plots.py --results DIR --out DIR --markdown docs/benchmarks_plots.md
+    python benchmarks/plots.py --results DIR --out DIR --markdown benchmarks/results/plots.md
 
 Three PNGs (matplotlib, Agg), each drawn by one function that returns the numbers it drew:
 
