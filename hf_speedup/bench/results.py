@@ -10,6 +10,8 @@
 - MFU: PaLM FLOPs per token (``report.measure.flops_per_token``, S the token-weighted mean sequence length) x
   tokens/s / peak FLOP/s of the dtype in use; empty where the peak is unknown (CPUs, unless
   ``HF_SPEEDUP_PEAK_FLOPS`` is set);
+- whole run: process start to the end of the last timed step (set-up, cold compile, every recompile and every
+  step), and the tokens of all timed steps over it (whole-run tokens/s, beside the steady figure);
 - cold start: process start to the end of step 1 with empty compile caches (imports, model, trainer,
   compile and the first step);
 - loss: the mean training loss of the last ``max(1, steps // 5)`` steps, and its difference from stock's
@@ -24,8 +26,8 @@ import statistics
 from ..report.measure import flops_per_token
 from .options import LORA_REFERENCE, REFERENCE, BenchOptions, preset_config
 
-COLUMNS = ("variant", "tokens/s", "x stock (IQR)", "step ms", "peak mem MiB", "peak RSS MiB", "MFU",
-           "cold start s", "loss", "Δ loss")
+COLUMNS = ("variant", "tokens/s", "x stock (IQR)", "step ms", "whole run s", "whole-run tokens/s", "peak mem MiB",
+           "peak RSS MiB", "MFU", "cold start s", "loss", "Δ loss")
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -93,6 +95,8 @@ def summarize(rows: dict[str, dict], options: BenchOptions) -> list[dict]:
             "setup_s": row.get("setup_s"),
             "first_step_s": seconds[0],
             "cold_start_s": (row.get("setup_s") or 0.0) + seconds[0],
+            "whole_run_s": (row.get("setup_s") or 0.0) + sum(seconds),
+            "whole_run_tokens_per_second": sum(tokens) / ((row.get("setup_s") or 0.0) + sum(seconds)),
             "page_faults_per_step": statistics.median(row["faults"][warmup:n]) if row["faults"][warmup:n] else None,
             "peak_memory_bytes": result.get("peak_memory_bytes"),
             "peak_memory_source": result.get("peak_memory_source"),
@@ -143,6 +147,7 @@ def table_rows(entries: list[dict]) -> list[list[str]]:
         ratio = f"{x['median']:.2f} ({x['p25']:.2f}-{x['p75']:.2f})" if x else ""
         mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else ""
         rows.append([e["name"], f"{m['tokens_per_second']:,.0f}", ratio, f"{1e3 * m['step_time_s']:.1f}",
+                     _num(m.get("whole_run_s"), ".1f"), _num(m.get("whole_run_tokens_per_second"), ",.0f"),
                      _mib(m.get("peak_memory_bytes")), _mib(m.get("peak_rss_bytes")), mfu,
                      _num(m.get("cold_start_s"), ".1f"), _num(m.get("loss"), ".4f"),
                      _delta(m.get("loss_vs_stock"))])
