@@ -147,3 +147,40 @@ def test_bench_on_docs_chat_with_the_padding_free_peers(tmp_path):
     assert len(written) == 2 * 3 and all(TOKEN_RANGE[0] <= len(r) <= 256 for r in written)  # steps + tracked step
     counted = {n: v["metrics"]["tokens_counted"] for n, v in rows.items()}
     assert len(set(counted.values())) == 1, counted  # same rows, same order, no padding counted
+
+
+# ------------------------------------------------------------------------------- benchmarks/payback_check.py
+def test_payback_check_derives_cost_saving_and_payback_from_timelines():
+    """Synthetic timelines with a known answer: eager 2 s a step after a 10 s start; compiled 1.5 s a step after a
+    10 s start plus a 40 s compile in step 1: saving 0.5 s a step, cost 40 s, pays back after 80 steps."""
+    import importlib.util
+    from pathlib import Path
+
+    from hf_speedup.bench.options import preset_config
+    from hf_speedup.features.compile.payback import PAYBACK
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "payback_check.py"
+    spec = importlib.util.spec_from_file_location("payback_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    eager = [10 + 2 * i for i in range(1, 41)]
+    compiled = [10 + 40 + 1.5 * i for i in range(1, 41)]
+    compiled[20] += 9  # one slow step (a recompile, the machine's noise) shifts the median by nothing
+    compiled[21:] = [t + 9 for t in compiled[21:]]
+    results = {"eager": {"ends": eager}, "compiled": {"ends": compiled}}
+    out = check.analyse(results, [10, 30, 40], 40)
+    assert out["whole_run_s"]["eager"] == {10: 30, 30: 70, 40: 90}
+    assert out["steady_step_s"] == {"eager": 2, "compiled": 1.5}
+    m = out["measured"]
+    assert m["saving_per_step_s"] == pytest.approx(0.5) and m["gain"] == pytest.approx(0.25)
+    assert m["compile_cost_s"] == pytest.approx(40 + 9)  # the slow step is part of what compiling cost
+    assert m["payback_step"] == pytest.approx(98)
+    gain, cold, _ = PAYBACK["cpu"]
+    assert out["predicted"]["payback_step"] == pytest.approx(cold / (gain * 2))
+    # each run is the preset with one edit (and the precision edit when asked), all valid configs
+    for run in check.RUNS:
+        config = preset_config(check.spec_of(run, "fast", "bf16", []))
+        assert config.precision.dtype == "bf16"
+    assert preset_config(check.spec_of("eager", "fast", None, [])).compile.enabled is False
+    assert preset_config(check.spec_of("compiled", "fast", None, [])).compile.when == "always"
+    assert preset_config(check.spec_of("pays_back", "fast", None, [])).compile.when == "pays_back"
