@@ -185,18 +185,23 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--logs", default=None, help="folder for each run's log (default: a temporary one)")
     p.add_argument("--recompile-log", action="store_true", default=True, help=argparse.SUPPRESS)
-    p.add_argument("--analyse", metavar="JSON", help="print the analysis of an earlier run's --json file again")
+    p.add_argument("--analyse", metavar="JSON[,JSON]", help="print the analysis of earlier --json files again, their "
+                   "runs merged (e.g. eager and compiled run side by side as two commands)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a worker: run this spec, print JSON
     a = p.parse_args(argv)
     if a.one:
         print("RESULT " + json.dumps(run_one(a), default=str), flush=True)
         return 0
     if a.analyse:
-        with open(a.analyse) as fh:
-            saved = json.load(fh)
-        lengths = sorted({int(n) for n in a.lengths.split(",") if n} | set(saved["lengths"]))
-        steps = len(next(iter(saved["results"].values()))["ends"])
-        summary(saved["results"], analyse(saved["results"], lengths, steps), lengths)
+        results, lengths = {}, {int(n) for n in a.lengths.split(",") if n}
+        for path in a.analyse.split(","):
+            with open(path) as fh:
+                saved = json.load(fh)
+            results.update(saved["results"])
+            lengths |= set(saved["lengths"])
+        steps = min(len(r["ends"]) for r in results.values())
+        lengths = sorted(n for n in lengths if n <= steps)
+        summary(results, analyse(results, lengths, steps), lengths)
         return 0
     runs = [r for r in a.runs.split(",") if r]
     unknown = [r for r in runs if r not in RUNS]
