@@ -226,6 +226,10 @@ def main(argv=None) -> int:
             print(f"{run} ({spec}) failed, log: {log}\n{done.stdout[-2000:]}", file=sys.stderr)
             return 1
         results[run] = r = json.loads(line[-1][7:])
+        if a.json:  # after every run, so a run cut short still leaves the finished ones (--analyse reads them)
+            with open(a.json, "w") as fh:
+                json.dump({"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "results": results,
+                           "lengths": lengths}, fh, indent=1, default=str)
         print(f"{run:9s} {spec}: {len(r['ends'])} steps, whole run {r['ends'][-1]:.1f} s, steady {steady(r['ends']):.2f} s"
               f"/step, compile {r['report_metrics']['compile_seconds']}, recompiles dynamo {r['dynamo']['recompiles']} "
               f"report {r['report_metrics']['recompiles']}, dtype {r['dtype']} (log {log})", flush=True)
