@@ -79,6 +79,9 @@ def run_one(a) -> dict:
         def on_step_end(self, args, state, control, **kw):
             meter.close_step()
             ends.append(time.perf_counter() - START)
+            if a.timeline:  # line by line: a run killed midway (OOM, timeout) still leaves its steps
+                with open(a.timeline, "a") as fh:
+                    fh.write(f"{state.global_step} {ends[-1]:.3f}\n")
 
     kw = dict(output_dir=tempfile.mkdtemp(prefix="payback_"), per_device_train_batch_size=a.batch_size,
               max_steps=a.steps, learning_rate=2e-5, lr_scheduler_type="constant", seed=a.seed, logging_steps=1,
@@ -188,6 +191,7 @@ def main(argv=None) -> int:
     p.add_argument("--analyse", metavar="JSON[,JSON]", help="print the analysis of earlier --json files again, their "
                    "runs merged (e.g. eager and compiled run side by side as two commands)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a worker: run this spec, print JSON
+    p.add_argument("--timeline", default=None, help=argparse.SUPPRESS)  # a worker: "step seconds" per step end
     a = p.parse_args(argv)
     if a.one:
         print("RESULT " + json.dumps(run_one(a), default=str), flush=True)
@@ -219,11 +223,14 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--one", spec, "--model", a.model, "--steps", str(a.steps),
                "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--seed", str(a.seed)]
         log = os.path.join(logs, f"{run}.log")
+        cmd += ["--timeline", os.path.join(logs, f"{run}.steps")]
+        open(cmd[-1], "w").close()  # this run's steps only
         with open(log, "w") as fh:
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=fh, text=True, env=env)
         line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
         if done.returncode or not line:
-            print(f"{run} ({spec}) failed, log: {log}\n{done.stdout[-2000:]}", file=sys.stderr)
+            print(f"{run} ({spec}) failed (exit {done.returncode}; -9 is often the OOM killer), log: {log}, its steps "
+                  f"so far: {os.path.join(logs, run + '.steps')}\n{done.stdout[-2000:]}", file=sys.stderr)
             return 1
         results[run] = r = json.loads(line[-1][7:])
         if a.json:  # after every run, so a run cut short still leaves the finished ones (--analyse reads them)
