@@ -70,13 +70,14 @@ def _probe(ns):
 
 def _cmd_plan(ns) -> int:
     from .model_info import describe_model
-    from .plan import build_plan
+    from .plan import build_plan, measure
     from .presets import resolve
     from .report import Report
 
     config = resolve(ns.preset if not ns.config else ns.config)  # a bad config fails before any model is built
     model = _load_model_for_plan(ns)
-    report = Report(build_plan(config, _probe(ns), describe_model(model) if model is not None else None))
+    info = describe_model(model) if model is not None else None
+    report = Report(build_plan(config, measure(config, _probe(ns), info), info))
     if ns.json:
         import json
 

@@ -24,7 +24,7 @@ from .hardware import Capabilities, probe
 from .loading import load_kwargs
 from .memory_model import MemoryEstimate, estimate, fmt_bytes
 from .model_info import ModelInfo, describe_model
-from .plan import build_plan
+from .plan import build_plan, measure
 from .presets import resolve
 
 __all__ = ["estimate_memory", "estimate_described", "describe_for_estimate", "cheapest_fit", "fits_text"]
@@ -106,9 +106,10 @@ def estimate_memory(model_or_config: Any, *, speedup: Any = "auto", batch_size: 
                                   ">= 1; fix: e.g. batch_size=8, seq_len=2048, world_size=1"])
     cfg = resolve(speedup)  # a bad config fails before any model is built
     described = describe_for_estimate(model_or_config, trust_remote_code)
+    caps = measure(cfg, caps if caps is not None else probe(args), described[0])  # e.g. bf16 by measured speed
     return estimate_described(described, cfg, batch_size=batch_size, seq_len=seq_len, world_size=world_size,
-                              gradient_accumulation_steps=gradient_accumulation_steps,
-                              caps=caps if caps is not None else probe(args), padded=padded, args=args)
+                              gradient_accumulation_steps=gradient_accumulation_steps, caps=caps, padded=padded,
+                              args=args)
 
 
 def estimate_described(described: tuple[ModelInfo, bool], cfg: SpeedupConfig, *, batch_size: int, seq_len: int,

@@ -6,7 +6,7 @@ import importlib.util
 import os
 import platform
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -34,6 +34,9 @@ class Capabilities:
     memory_bytes: int | None = None  # the device's memory: CUDA total_memory, CPU physical RAM (memory.budget: auto)
     device: str = "cpu"  # the device the Trainer trains on ("cuda:1", "cpu"): the plan is made for it
     device_reason: str = ""  # who chose it: TrainingArguments.use_cpu, ACCELERATE_USE_CPU, the local rank, ...
+    # what this machine measured for this model, by key ("precision.bf16_matmul" -> measured.Measurement): filled
+    # at the door by the features' ``measure`` hooks (runner.measure); empty where nothing was measured
+    measured: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,8 +66,9 @@ def _cpu_bf16() -> tuple[bool, str]:
     if amx:
         return True, "CPU has AMX tiles: bf16 matmuls run natively"
     if avx512_bf16:
-        return False, ("CPU has avx512_bf16 but no AMX: bf16 autocast was measured 2.6x slower than fp32 "
-                       "on such a CPU (conversions dominate)")
+        return False, ("CPU has avx512_bf16 but no AMX: whether bf16 autocast beats fp32 depends on the model's "
+                       "shapes (2-3x at a 135M model's matmuls on a Zen 4 core, slower at a toy model's, where the "
+                       "casts dominate): timed per model at the door (precision.bf16_matmul)")
     return False, "CPU has no native bf16 (no AMX, no avx512_bf16)"
 
 

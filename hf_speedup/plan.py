@@ -9,11 +9,13 @@ estimator); :func:`plan_for` is that door for code that holds a preset name and 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .config import SpeedupConfig
 from .features import FEATURES
 from .hardware import Capabilities, probe
+from .measured import measuring_enabled, shared_across_ranks
 from .model_info import ModelInfo, describe_model
 from .plan_types import Plan, PlanContext
 from .presets import resolve
@@ -35,7 +37,24 @@ def plan_for(speedup: Any = "auto", caps: Capabilities | None = None, model: Any
     each once, then :func:`build_plan`."""
     config = resolve(speedup)  # a bad request fails here, before the machine or the model is looked at
     info = model if model is None or isinstance(model, ModelInfo) else describe_model(model)
-    return build_plan(config, caps if caps is not None else probe(args), info, args)
+    return build_plan(config, measure(config, caps if caps is not None else probe(args), info), info, args)
+
+
+def measure(config: SpeedupConfig, caps: Capabilities, model: ModelInfo | None) -> Capabilities:
+    """``caps`` with what the features time at the model's shapes (their optional ``measure`` hooks, see
+    :mod:`hf_speedup.measured`), for :func:`build_plan` to decide by. Called at the doors, once, after the probe;
+    figures already in ``caps.measured`` (a test's, a caller's) are kept and not timed again."""
+    if model is None or not measuring_enabled():
+        return caps
+
+    def each_feature() -> dict:
+        found: dict = {}
+        for feature in FEATURES:
+            if (hook := getattr(feature, "measure", None)) is not None:
+                found.update(hook(config, caps, model) or {})
+        return found
+
+    return dataclasses.replace(caps, measured={**shared_across_ranks(each_feature), **caps.measured})
 
 
 def _check_inputs(config: Any, caps: Any, model: Any) -> None:

@@ -20,7 +20,8 @@ from .callback_handler import SpeedupCallbackHandler
 from .features import Setup
 from .hardware import probe
 from .model_info import describe_model
-from .plan import build_plan
+from .plan import build_plan, measure
+from .stock import buildable_precision
 from .presets import resolve
 from .report import Report
 from .report.collector import SpeedupCallback
@@ -62,6 +63,7 @@ class SpeedupMixin(*trainer_hooks()):
             bound.arguments["model"] = _call_model_init(user_init, None, training_args)
         model = bound.arguments.get("model")
         info = describe_model(model) if model is not None else None
+        caps = measure(config, caps, info)  # what the features time at this model's shapes (cached per machine)
         self.speedup = Speedup(build_plan(config, caps, info, training_args), prepared.outcomes)
         setup = Setup(model=model, args=training_args, data_collator=bound.arguments.get("data_collator"),
                       processing_class=bound.arguments.get("processing_class"),
@@ -181,19 +183,7 @@ def default_training_args(cls: type, model: Any) -> TrainingArguments:
     if args_cls is not TrainingArguments and args_cls.__name__.endswith("Config"):
         name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
         output_dir = f"{str(name or '').split('/')[-1]}-{args_cls.__name__.removesuffix('Config')}"
-    return args_cls(output_dir=output_dir, **_buildable_precision())
-
-
-def _buildable_precision() -> dict:
-    """``bf16=False`` where no bf16 GPU is present: TRL's configs default to ``bf16=True``, which TrainingArguments
-    refuses there (stock TRL given no args raises); the plan's precision feature then picks the dtype (``baseline``:
-    fp32)."""
-    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
-
-    if is_torch_bf16_gpu_available() or is_torch_xla_available():
-        return {}
-    logger.info("hf_speedup: no args given and no bf16 GPU here: the default config is built with bf16=False")
-    return {"bf16": False}
+    return args_cls(output_dir=output_dir, **buildable_precision())
 
 
 def _annotated_args_class(cls: type) -> type | None:

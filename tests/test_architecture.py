@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_speedup"
 # Lowest first. A module may import its own layer or lower ones; within a layer the graph must be acyclic.
 LAYERS: list[tuple[str, ...]] = [
     ("_version", "compat", "dtypes", "blocks", "tiny", "cpu_allocator", "peak_flops", "gguf",
-     "credentials", "callback_handler"),  # leaves: shims and helpers
+     "credentials", "callback_handler", "measured"),  # leaves: shims and helpers
     ("config",),  # the request
     ("presets",),  # named requests
     ("hardware",),  # Capabilities

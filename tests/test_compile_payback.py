@@ -167,3 +167,63 @@ def test_a_recompile_in_a_process_whose_graphs_are_warm_still_counts_as_recompil
         metrics.append(trainer.speedup_report.to_dict()["metrics"])
     assert metrics[1]["recompiles"] == 1 and metrics[1]["recompile_seconds"] > 0, metrics[1]
     assert metrics[1]["recompile_seconds"] == pytest.approx(metrics[1]["compile_seconds"])  # no cold compile here
+
+
+# ------------------------------------------------------------------------------------------ this machine's own figures
+def _measured_payback(gain, compile_s):
+    from hf_speedup.measured import Measurement
+
+    return {compile_payback.KEY: Measurement({"gain": gain, "compile_s": compile_s}, "measured on this machine",
+                                             "AMD EPYC, 2 threads", cached=True)}
+
+
+def test_the_plan_names_where_the_payback_figures_came_from(tiny_model):
+    constants = build("fast", caps=fake_caps(**CPU_NO_BF16), model=tiny_model)["compile"]
+    assert "constants measured on a 2-core Intel Xeon (AVX-512) and a 2-core AMD EPYC (AVX2), " \
+           "benchmarks/RESULTS.md" in constants.reason and "x 10%" in constants.reason
+    own = build("fast", caps=fake_caps(**CPU_NO_BF16, measured=_measured_payback(0.13, 17.0)), model=tiny_model)
+    reason = own["compile"].reason
+    assert "x 13%" in reason and "a cold compile (~17 s)" in reason
+    assert "gain 13% and compile 17 s measured on this machine on AMD EPYC, 2 threads (cached)" in reason
+
+
+@pytest.mark.parametrize("gain, compiled", [(0.0, False), (0.5, True)])
+def test_the_gate_decides_by_this_machines_recorded_figures(gain, compiled, tiny_model, make_args, dataset, collator,
+                                                            monkeypatch):
+    from hf_speedup.hardware import probe
+
+    monkeypatch.setitem(compile_payback.PAYBACK, "cpu", (0.5, 0.0, 0.0))  # the constants alone would compile
+    import dataclasses
+
+    monkeypatch.setattr("hf_speedup.trainer.probe", lambda args=None: dataclasses.replace(
+        probe(args), measured=_measured_payback(gain, 0.0 if compiled else 1e9)))
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=6), train_dataset=dataset,
+                             data_collator=collator, speedup=_config())
+    trainer.train()
+    blocks = [r for r in rc.guarded_regions(trainer.model) if r.kind not in rc.HEAD_REGIONS]
+    assert [r.calls for r in blocks] == [3 if compiled else 0] * len(blocks)
+    verdict = next(n for n in trainer.speedup_status["compile"].outcome.notes if "pays_back" in n)
+    assert f"({gain:.0%} of a step)" in verdict and "measured on this machine" in verdict and "(cached)" in verdict
+
+
+def test_a_compiled_run_records_its_gain_and_compile_for_later_plans(tiny_model, make_args, dataset, collator,
+                                                                     monkeypatch, tmp_path):
+    from hf_speedup import measured
+
+    monkeypatch.setenv(measured.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(measured.MEASURE_ENV, "1")
+    # 8 steps: 1 warm-up + 2 timed eager, the gate opens, step 4 compiles (cold), steps 5-6 compiled are timed
+    trainer, blocks = _train(tiny_model, make_args, dataset, collator, monkeypatch, cost=0.0, steps=8)
+    assert [r.calls for r in blocks] == [5] * len(blocks)
+    status = trainer.speedup_status["compile"]
+    facts = status.outcome.facts["payback_measured"]
+    assert facts["compile_s"] >= 0 and facts["compiled_step_s"] > 0 and facts["eager_step_s"] > 0
+    assert facts["gain"] == pytest.approx(1 - facts["compiled_step_s"] / facts["eager_step_s"], abs=1e-4)
+    assert any("recorded for later plans" in n for n in status.outcome.notes)
+    import dataclasses
+
+    again = build(_config(), caps=dataclasses.replace(trainer.speedup_plan.caps, measured={}), model=tiny_model)
+    found = again.caps.measured[compile_payback.KEY]
+    assert found.cached and found.value == {"gain": facts["gain"], "compile_s": facts["compile_s"]}
+    assert f"gain {facts['gain']:.0%} and compile {facts['compile_s']:.0f} s measured on this machine" in \
+        again["compile"].reason

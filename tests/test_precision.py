@@ -11,7 +11,7 @@ from hf_speedup.plan import plan_for as make_plan
 from hf_speedup.features import precision
 from hf_speedup.plan_types import Outcome
 
-NO_AMX_REASON = "CPU has avx512_bf16 but no AMX: bf16 autocast was measured 2.6x slower"
+NO_AMX_REASON = "CPU has avx512_bf16 but no AMX: whether bf16 autocast beats fp32 depends on the model's shapes"
 
 
 def plan_for(caps: dict, args=None, **precision_settings):
@@ -51,7 +51,7 @@ def test_strict_bf16_on_v100_is_a_config_error_naming_field_value_allowed_and_fi
 def test_auto_on_cpu_without_amx_stays_fp32():
     d = plan_for({**CPU_NO_BF16, "bf16_reason": NO_AMX_REASON})
     assert d.applied == "fp32" and d.fallbacks == ()
-    assert "2.6x slower" in d.reason and "tf32: n/a on cpu" in d.reason
+    assert NO_AMX_REASON in d.reason and "tf32: n/a on cpu" in d.reason
     assert precision.training_args(d, None) == {"bf16": False, "fp16": False}  # explicit, never tf32 on CPU
 
 

@@ -396,3 +396,14 @@ def test_chat_template_clone_with_peft_config_keeps_the_new_tokens_trainable(tmp
     indices, modules, trainable, *_ = built[SpeedupSFTTrainer]
     assert indices["embed_tokens"] and modules == ["lm_head"] and len(trainable) == 2
     assert "chat template" in trainer.speedup_status["lora"].reason
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a bf16 GPU TRL's default bf16=True stands")
+def test_sft_config_on_a_cpu_machine_is_built_without_trls_bf16_default(tmp_path):
+    """TRL's SFTConfig defaults to bf16=True, which a machine without a bf16 GPU refuses: the plan picks the dtype."""
+    from hf_speedup import sft_config
+
+    args = sft_config("fast", output_dir=str(tmp_path))
+    assert args.bf16 is False and args.fp16 is False
+    with pytest.raises(ValueError, match="bf16"):  # the user's own explicit choice is still TRL's to judge
+        sft_config("fast", output_dir=str(tmp_path), bf16=True)

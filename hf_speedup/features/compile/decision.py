@@ -11,7 +11,7 @@ from typing import Any
 
 from ...plan_types import OFF, Decision, PlanContext
 from ..deepspeed import adapted, zero_stage
-from .payback import PAYBACK, compile_cost_text
+from .payback import PAYBACK, compile_cost_text, figures
 
 NAME = "compile"
 
@@ -99,10 +99,10 @@ def _when_reason(asked: str, s: Settings, caps) -> str:
     if asked != "pays_back":
         return ""
     if s.when == "pays_back":
-        gain = PAYBACK[caps.device_type][0]
+        gain, _, _, source = figures(caps)
         return (f"compile.when = pays_back: the first steps run eager and are timed; the blocks compile only if the "
-                f"remaining eager time x {gain:.0%} (what compiled blocks saved on {caps.device_type}) exceeds "
-                f"{compile_cost_text(caps.device_type, s.dynamic is not True)}")
+                f"remaining eager time x {gain:.0%} (what compiled blocks save on {caps.device_type}) exceeds "
+                f"{compile_cost_text(caps, s.dynamic is not True)} ({source})")
     if caps.distributed:
         return (f"compile.when = pays_back: compiled from the first step on all {caps.world_size} processes (ranks "
                 "timing their own steps could decide differently)")

@@ -10,7 +10,7 @@ import logging
 from ...blocks import find_blocks
 from ...plan_types import Decision, Outcome
 from .cpu_gemm import cpu_gemm_pass, onednn_fp32_ok
-from .payback import CompileGate, PaybackCallback
+from .payback import CompileGate, PaybackCallback, payback_key
 from .regions import _compile_head, compile_module, gate_of
 
 logger = logging.getLogger("hf_speedup")
@@ -68,5 +68,6 @@ def callbacks(decision: Decision, trainer, outcome: Outcome) -> list:
     """``pays_back``: the callback that times the first steps and opens the regions' gate, or declines."""
     if not decision.active or decision.settings.when != "pays_back":
         return []
-    return [PaybackCallback(trainer, outcome, trainer.speedup_plan.caps.device_type, gate_of,
-                            static_shapes=decision.settings.dynamic is not True)]
+    plan = trainer.speedup_plan
+    return [PaybackCallback(trainer, outcome, plan.caps, gate_of, static_shapes=decision.settings.dynamic is not True,
+                            key=payback_key(plan.caps, plan.model, plan.config.compile))]

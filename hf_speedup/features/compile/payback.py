@@ -10,6 +10,12 @@ installed at once, the first steps run eager and are timed, and then the gate op
 Either verdict is written into the report and logged. Only devices with measured constants defer: elsewhere (CUDA,
 until measured there) and in multi-process runs (ranks timing their own steps could decide differently) the
 regions compile from the first step, as ``when: always``.
+
+The gain and the cold compile's cost: ``PAYBACK`` holds constants fitted on ``SOURCE``. A run whose gate opened
+measures both on this machine as it goes (the cold step against the eager steps timed before it, then
+``COMPILED_STEPS`` compiled steps), and records them (:func:`hf_speedup.measured.record`, keyed by machine, model
+shape and compile settings); a later plan for the same machine and model reads them back at the door (``measure``)
+and decides by them, saying so ("gain 13% and compile 17 s measured on this machine (cached)").
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 
 from transformers import TrainerCallback
 
+from ...measured import Measurement, lookup, measuring_enabled, record
 from ...plan_types import Outcome
 
 logger = logging.getLogger("hf_speedup")
@@ -29,22 +36,59 @@ logger = logging.getLogger("hf_speedup")
 # of 16-25 s there and 15 s on a 2-core AMD EPYC (AVX2); static shapes bucketed by length compiled 4 graphs in 42 s
 # on that EPYC (~9 s for each after the first).
 PAYBACK = {"cpu": (0.10, 20.0, 9.0)}
+SOURCE = "a 2-core Intel Xeon (AVX-512) and a 2-core AMD EPYC (AVX2), benchmarks/RESULTS.md"  # where PAYBACK came from
+KEY = "compile.payback"  # Capabilities.measured key: Measurement({"gain": fraction, "compile_s": seconds})
 MEASURED_STEPS = 2  # eager steps timed after the first one (which carries one-off costs) before deciding
+COMPILED_STEPS = 2  # compiled steps timed after the cold one before the run's own gain and compile are recorded
 OPENED_AFTER_STEP = "compile_opened_after_step"  # outcome fact: the global step after which the gate opened
 STATIC_SHAPES = 8  # static shapes: a graph per padded length, counted up to dynamo's default recompile_limit
 
 
-def compile_cost(device_type: str, static_shapes: bool) -> float:
-    _, cold, per_shape = PAYBACK[device_type]
+def figures(caps) -> tuple[float, float, float, str]:
+    """(gain, cold compile seconds, seconds per further static shape, where they came from) for ``caps``' device:
+    this machine's own figures for this model where a run recorded them, else the constants."""
+    gain, cold, per_shape = PAYBACK[caps.device_type]
+    m = caps.measured.get(KEY)
+    if m is not None:
+        return (float(m.value["gain"]), float(m.value["compile_s"]), per_shape,
+                f"gain {m.value['gain']:.0%} and compile {m.value['compile_s']:.0f} s {m.text()}")
+    return gain, cold, per_shape, f"constants measured on {SOURCE}"
+
+
+def compile_cost(caps, static_shapes: bool) -> float:
+    _, cold, per_shape, _ = figures(caps)
     return cold + (STATIC_SHAPES - 1) * per_shape if static_shapes else cold
 
 
-def compile_cost_text(device_type: str, static_shapes: bool) -> str:
-    cost = compile_cost(device_type, static_shapes)
+def compile_cost_text(caps, static_shapes: bool) -> str:
+    cost = compile_cost(caps, static_shapes)
     if static_shapes:
         return (f"the compiles (~{cost:.0f} s: static shapes compile a graph per padded length, counted for "
                 f"{STATIC_SHAPES} lengths)")
     return f"a cold compile (~{cost:.0f} s)"
+
+
+def payback_key(caps, model, cfg) -> dict | None:
+    """What a run's gain and compile time depend on: machine, model shape, the compile section as asked (the door
+    reads it before any decision; None: no model)."""
+    if model is None:
+        return None
+    shape = getattr(model, "shape", None)
+    dims = [model.hidden_size, getattr(shape, "intermediate_size", None), model.num_blocks, model.vocab_size]
+    return {"machine": caps.device_name, "threads": caps.cpu_threads, "torch": caps.torch_version,
+            "model": [model.architecture, *dims], "block": model.block_class, "backend": cfg.backend,
+            "mode": cfg.mode, "dynamic": cfg.dynamic, "regions": cfg.regions}
+
+
+def measure(config, caps, model) -> dict:
+    """The ``measure`` hook: what an earlier ``pays_back`` run on this machine recorded for this model (nothing is
+    timed here: the figures come from runs, :meth:`PaybackCallback.on_step_end`)."""
+    cfg = config.compile
+    if cfg.enabled is False or cfg.when != "pays_back" or caps.device_type not in PAYBACK or caps.distributed:
+        return {}
+    key = payback_key(caps, model, cfg)
+    found = lookup(KEY, key) if key is not None else None
+    return {KEY: found} if found is not None else {}
 
 
 DECLINED = "eager (compile declined: it would not pay back)"  # Outcome.applied after a declined verdict
@@ -89,14 +133,18 @@ class CompileGate:
 class PaybackCallback(TrainerCallback):
     """Times the first eager steps of the run, then opens the gate or declines (once per gate)."""
 
-    def __init__(self, trainer, outcome: Outcome, device_type: str, gate_of, static_shapes: bool = False):
+    def __init__(self, trainer, outcome: Outcome, caps, gate_of, static_shapes: bool = False, key: dict | None = None):
         self.trainer = trainer
         self.outcome = outcome
-        self.gain = PAYBACK[device_type][0]
-        self.cost = compile_cost(device_type, static_shapes)
-        self.cost_text = compile_cost_text(device_type, static_shapes)
+        self.gain, _, _, self.source = figures(caps)
+        self.cost = compile_cost(caps, static_shapes)
+        self.cost_text = compile_cost_text(caps, static_shapes) + f" ({self.source})"
         self.gate_of = gate_of  # model -> its CompileGate (a model_init trial brings a new model and gate)
+        self.key = key  # where this machine's own gain and compile time are recorded (None: not recorded)
+        self.where = f"{caps.device_name}, {caps.cpu_threads} threads, torch {caps.torch_version}"
         self.ends: list[float] = []
+        self.eager_step = 0.0  # the eager step time the verdict used
+        self.after_open: list[float] = []  # step ends from the opening step on: the cold step, then compiled ones
         self.verdict: str | None = None  # the note this callback added (replaced when train() runs again)
         self._gate: tuple = (None, None)  # (model, its gate): found again only when the trainer's model changes
 
@@ -107,7 +155,7 @@ class PaybackCallback(TrainerCallback):
         return self._gate[1]
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.ends = []
+        self.ends, self.after_open = [], []
         if self.outcome.applied == DECLINED:
             self.outcome.applied = None  # taken again below
         self._gate = (None, None)
@@ -120,6 +168,8 @@ class PaybackCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         gate = self._current_gate()
+        if gate is not None and self.after_open:
+            self._time_compiled(gate)
         if gate is None or not gate.pending:
             return
         self.ends.append(time.perf_counter())
@@ -130,6 +180,27 @@ class PaybackCallback(TrainerCallback):
                                  self.cost_text), gate)
         if gate.open:  # the report counts the next step's compile as the cold one, not as recompiling
             self.outcome.facts[OPENED_AFTER_STEP] = state.global_step
+            self.eager_step, self.after_open = step_seconds, [self.ends[-1]]
+
+    def _time_compiled(self, gate: CompileGate) -> None:
+        """After the gate opened: the cold step, then ``COMPILED_STEPS`` compiled ones; then this machine's gain and
+        cold compile for this model are recorded for later plans (where measuring is on)."""
+        self.after_open.append(time.perf_counter())
+        if len(self.after_open) < COMPILED_STEPS + 2 or not gate.open:
+            return
+        ends, self.after_open = self.after_open, []
+        cold, compiled = ends[1] - ends[0], min(b - a for a, b in zip(ends[1:], ends[2:]))
+        gain, compile_s = 1.0 - compiled / self.eager_step, max(0.0, cold - compiled)
+        note = (f"compiled blocks measured in this run: compiled steps {compiled:.3g} s against "
+                f"{self.eager_step:.3g} s eager (gain {gain:.0%}), cold compile {compile_s:.3g} s")
+        self.outcome.facts["payback_measured"] = {"gain": round(gain, 4), "compile_s": round(compile_s, 2),
+                                                  "eager_step_s": self.eager_step, "compiled_step_s": compiled}
+        if self.key is not None and measuring_enabled():
+            record(KEY, self.key, Measurement({"gain": round(gain, 4), "compile_s": round(compile_s, 2)},
+                                              "measured on this machine", self.where))
+            note += "; recorded for later plans of this model on this machine"
+        self.outcome.notes.append(note)
+        logger.info("hf_speedup: %s", note)
 
     def _settle(self, verdict: str, gate: CompileGate) -> None:
         if self.verdict in self.outcome.notes:

@@ -2,8 +2,11 @@
 
 Fallback chain: bf16 -> fp16 with dynamic loss scaling (CUDA without bf16) -> fp32; with
 ``precision.strict`` a request that cannot run here is a :class:`SpeedupConfigError` at plan time.
-``auto`` picks bf16 only where it is native *and fast* (``caps.bf16``: Ampere+ GPU, AMX CPU): on a CPU
-with avx512_bf16 but no AMX, bf16 autocast was measured 2.6x slower than fp32.
+``auto`` picks bf16 where it is native *and fast* (``caps.bf16``: Ampere+ GPU, AMX CPU) and, on any other CPU,
+where bf16 autocast ran this model's matmuls at least ``matmul_speed.THRESHOLD`` (1.25x) as fast as fp32 when
+timed on this machine at the model's shapes (``caps.measured["precision.bf16_matmul"]``, by the ``measure`` hook
+in :mod:`.matmul_speed`): on a CPU with avx512_bf16 but no AMX that depends on the shapes (2-3x at a 135M model's,
+slower at a toy model's). Not measured (``HF_SPEEDUP_MEASURE=0``, no model): fp32 there, as the flags say.
 
 An explicit choice wins over ``auto`` and the reason names it: TrainingArguments' ``bf16``/``fp16`` flags,
 else the launcher's ``ACCELERATE_MIXED_PRECISION`` (``accelerate launch --mixed_precision no|bf16|fp16``, or
@@ -25,13 +28,15 @@ from typing import Any
 
 import torch
 
-from ..compat import set_tf32, tf32_matmul_state
-from ..config import SpeedupConfigError
-from ..dtypes import short_name, to_dtype
-from ..plan_types import Decision, Outcome, PlanContext
-from .deepspeed import adapted, engine
-from .explicit_args import users_choice
-from .fallback import walk_chain
+from ...compat import set_tf32, tf32_matmul_state
+from ...config import SpeedupConfigError
+from ...dtypes import short_name, to_dtype
+from ...plan_types import Decision, Outcome, PlanContext
+from ..deepspeed import adapted, engine
+from ..explicit_args import users_choice
+from ..fallback import walk_chain
+from .matmul_speed import KEY as MEASURED_KEY
+from .matmul_speed import THRESHOLD, measure  # noqa: F401  (measure: the feature's hook, run at the door)
 
 NAME = "precision"
 CHAIN = ("bf16", "fp16", "fp32")
@@ -145,13 +150,44 @@ def _walk_chain(wanted: str, caps, strict: bool, from_args: bool = False,
     return walk_chain(CHAIN[CHAIN.index(wanted):], lambda d: runnable(d, caps), strict_error if strict else None)
 
 
+def _measured_bf16(caps):
+    """The bf16/fp32 matmul speed this CPU measured at the model's shapes (a Measurement), None where not measured
+    or where the timing was implausible (a busy machine)."""
+    m = caps.measured.get(MEASURED_KEY) if caps.device_type == "cpu" else None
+    return m if m is not None and m.value is not None else None
+
+
+def _bf16_fast(caps) -> bool:
+    """bf16 is faster here: native (``caps.bf16``), or measured at least THRESHOLD x fp32 on this CPU."""
+    m = _measured_bf16(caps)
+    return bool(caps.bf16 or (m is not None and m.value >= THRESHOLD))
+
+
+def _measured_text(m) -> str:
+    return f"matmuls at this model's shapes measured {m.value:.2f}x fp32 ({m.text()})"
+
+
 def _auto_dtype(caps) -> tuple[str, str]:
     if caps.bf16:
         return "bf16", f"bf16 autocast: native and fast here ({caps.bf16_reason or caps.device_name})"
     if caps.device_type == "cuda" and caps.fp16:
         return "fp16", (f"fp16 autocast with dynamic loss scaling: {caps.device_name} has fp16 tensor cores "
                         f"but no bf16 ({caps.bf16_reason or 'compute capability < 8.0'})")
-    return "fp32", f"fp32 (no mixed precision): bf16 would not be faster here ({caps.bf16_reason or 'no native bf16'})"
+    if (m := _measured_bf16(caps)) is not None:
+        if m.value >= THRESHOLD:
+            return "bf16", (f"bf16 autocast: {_measured_text(m)}, at least the {THRESHOLD}x it takes to speed up "
+                            "a whole step")
+        return "fp32", (f"fp32 (no mixed precision): bf16 autocast {_measured_text(m)}, under the {THRESHOLD}x it "
+                        "takes to speed up a whole step")
+    reason = f"fp32 (no mixed precision): bf16 would not be faster here ({caps.bf16_reason or 'no native bf16'})"
+    if caps.device_type == "cpu" and (noisy := caps.measured.get(MEASURED_KEY)) is not None:
+        reason += f"; bf16 speed at this model's shapes could not be measured: {noisy.text()}"
+    elif caps.device_type == "cpu":
+        from ...measured import MEASURE_ENV, measuring_enabled
+
+        why = "no model to time at" if measuring_enabled() else f"{MEASURE_ENV}=0"
+        reason += f"; bf16 speed at this model's shapes not measured ({why})"
+    return "fp32", reason
 
 
 def _decide_dtype(s, caps, args) -> tuple[str, str, list[str]]:
@@ -167,7 +203,7 @@ def _decide_dtype(s, caps, args) -> tuple[str, str, list[str]]:
             own, _ = _auto_dtype(caps)
             if dtype != chosen:
                 reason += f", which cannot run here -> {dtype}"
-            elif chosen == "fp16" and caps.bf16:
+            elif chosen == "fp16" and _bf16_fast(caps):
                 reason += " (bf16 would be preferable on this device: no loss scaling, same speed)"
             elif own != dtype:
                 reason += f" over auto's own choice here ({own})"
@@ -188,9 +224,11 @@ def _decide_dtype(s, caps, args) -> tuple[str, str, list[str]]:
 
 
 def _slow_bf16_note(dtype: str, caps, reason: str) -> str:
-    if dtype == "bf16" and not caps.bf16:
-        return reason + f"; expected SLOWER than fp32 here: {caps.bf16_reason or 'no native bf16'}"
-    return reason
+    if dtype != "bf16" or _bf16_fast(caps):
+        return reason
+    if (m := _measured_bf16(caps)) is not None:
+        return reason + f"; expected no faster than fp32 here: bf16 autocast {_measured_text(m)}"
+    return reason + f"; expected SLOWER than fp32 here: {caps.bf16_reason or 'no native bf16'}"
 
 
 def _decide_tf32(s, caps, args) -> tuple[bool | None, str, list[str]]:
@@ -245,7 +283,7 @@ def decide(ctx: PlanContext) -> Decision:
     )
     for fb in decision.fallbacks:
         logger.warning("hf_speedup precision fallback: %s", fb)
-    if dtype == "bf16" and not caps.bf16:
+    if dtype == "bf16" and not _bf16_fast(caps):
         logger.warning("hf_speedup precision: %s", reason)
     return decision
 
