@@ -174,7 +174,7 @@ def table(results: dict, analysis: dict, lengths: list[int]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a model folder or .gguf (benchmarks/smollm2_dir.py makes one)")
+    p.add_argument("--model", help="a model folder or .gguf (benchmarks/smollm2_dir.py makes one)")
     p.add_argument("--preset", default="fast")
     p.add_argument("--precision", choices=("auto", "keep", "fp32", "bf16"), default=None,
                    help="precision.dtype edit for every run (default: the preset's own)")
@@ -207,6 +207,8 @@ def main(argv=None) -> int:
         lengths = sorted(n for n in lengths if n <= steps)
         summary(results, analyse(results, lengths, steps), lengths)
         return 0
+    if not a.model:
+        p.error("--model is required (a model folder or .gguf); fix: e.g. --model /tmp/smollm2")
     runs = [r for r in a.runs.split(",") if r]
     unknown = [r for r in runs if r not in RUNS]
     if unknown:
