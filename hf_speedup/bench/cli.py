@@ -17,7 +17,8 @@ Each variant is a fresh process; on CPU they run in lock step (step i of each, b
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", help="hub id or local path of a causal LM")
+    g.add_argument("--model", help="hub id or local path of a causal LM (a folder, or a .gguf file: dequantized "
+                                   "to fp32 in every worker; benchmarks/smollm2_dir.py saves one as a folder once)")
     g.add_argument("--tiny", action="store_true", help="the embedded tiny Llama (default when no model is given)")
     g.add_argument("--config", metavar="JSON", help="build a model from this config (inline JSON or a file; "
                                                     "random weights, no hub), e.g. '{\"model_type\": \"llama\", ...}'")
@@ -27,8 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "stock always runs: ratios are taken against it")
     p.add_argument("--batch-size", type=int, help="rows per step (default 8)")
     p.add_argument("--seq-len", type=int, help="longest row; ragged rows are 16..min(512, seq-len) tokens (default 512)")
-    p.add_argument("--data", help="ragged (default: lengths log-uniform 16-512), fixed (every row seq-len real "
-                                  "tokens) or a .jsonl/.json/.txt FILE")
+    p.add_argument("--data", help="ragged (default: lengths log-uniform 16-512, the tiny task's text), fixed (every "
+                                  "row seq-len real tokens), docs-chat (real text: single-turn chats built offline "
+                                  "from this Python's standard library documentation, in the model's chat template, "
+                                  "40-1024 tokens, median ~350 with SmolLM2's tokenizer; use --seq-len 1024; "
+                                  "python -m hf_speedup.bench.chat_data prints its lengths) or a .jsonl/.json/.txt FILE")
     p.add_argument("--steps", type=int, help="optimizer steps per variant (default 20)")
     p.add_argument("--warmup", type=int, help="steps left out of the steady state (default min(5, steps // 4))")
     p.add_argument("--output", help="folder for bench.json, bench.md, bench.png and the logs (default outputs/bench)")

@@ -48,6 +48,27 @@ class BenchResult:
         return "\n".join(lines)
 
 
+def prepare_data(options: BenchOptions, output: str) -> tuple[str | None, list[str]]:
+    """Rows a builder makes from more than the tokenizer (``docs-chat``: the standard library's documentation)
+    are made once here and written to ``<output>/data/``; every worker reads that file. (None, []) otherwise."""
+    if options.data != "docs-chat":
+        return None, []
+    from .chat_data import describe as describe_rows
+    from .data import make_rows
+    from .variants import tokenizer_for
+
+    rows = make_rows(tokenizer_for(options.to_dict()), "docs-chat", options.batch_size * (options.steps + 1),
+                     options.seq_len, options.seed)
+    path = os.path.join(output, "data", "docs-chat.jsonl")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as fh:
+        for row in rows:
+            fh.write(json.dumps({"input_ids": row["input_ids"]}) + "\n")
+    note = (f"data: docs-chat (Python's standard library documentation as single-turn chats, the model's chat "
+            f"template; hf_speedup/bench/chat_data.py): {describe_rows(rows)}; every variant trains on every token.")
+    return path, [note]
+
+
 def run_bench(options: BenchOptions, say=print) -> BenchResult:
     """Every variant of ``options`` side by side on this machine; results under ``options.output``."""
     options.validate()  # every problem at once, before any process starts
@@ -57,9 +78,12 @@ def run_bench(options: BenchOptions, say=print) -> BenchResult:
     os.makedirs(output, exist_ok=True)
     info = machine_info(device)
     say(f"machine: {describe(info)}", flush=True)
-    rows = run_variants(options, device, output, say)
+    rows_file, data_notes = prepare_data(options, output)
+    for note in data_notes:
+        say(note, flush=True)
+    rows = run_variants(options, device, output, say, rows_file=rows_file)
     entries = summarize(rows, options)
-    result = BenchResult(options, device, schedule, info, entries, notes(entries, options, device))
+    result = BenchResult(options, device, schedule, info, entries, data_notes + notes(entries, options, device))
     result.files = {"json": os.path.join(output, RESULT_FILE), "table": os.path.join(output, TABLE_FILE)}
     why = plot(entries, os.path.join(output, PLOT_FILE), title=describe(info))
     if why:

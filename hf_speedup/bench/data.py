@@ -3,10 +3,13 @@
 - ``ragged``: lengths drawn log-uniform in [16, min(512, seq_len)] — many short rows, a few long ones, as
   in real fine-tuning sets — so padding (and what a variant does about it) shows in the numbers;
 - ``fixed``: every row exactly ``seq_len`` real tokens (packed text), no padding anywhere;
+- ``docs-chat``: single-turn chat conversations of real text (this Python's standard library documentation),
+  rendered with the model's chat template, 40-1024 tokens, median ~350 (:mod:`.chat_data`); the bench builds
+  them once in the parent and every worker reads the same file;
 - a file: ``.jsonl``/``.json`` objects with ``text`` (tokenized here) or ``input_ids``, or ``.txt`` lines;
   rows are cut to ``seq_len``.
 
-The text is the embedded arithmetic / reversal task, so the loss falls within a few dozen steps.
+The text of ``ragged`` and ``fixed`` is the embedded arithmetic / reversal task, so the loss falls within a few dozen steps.
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ def make_rows(tokenizer, kind: str, n_rows: int, seq_len: int, seed: int = 0) ->
         lengths = ragged_lengths(n_rows, seq_len, seed)
     elif kind == "fixed":
         lengths = [seq_len] * n_rows
+    elif kind == "docs-chat":
+        from .chat_data import rows_for_run
+
+        return [{"input_ids": r["input_ids"], "attention_mask": r["attention_mask"]}
+                for r in rows_for_run(tokenizer, n_rows, seq_len, seed)]
     else:
         return file_rows(kind, tokenizer, seq_len)
     stream = token_stream(tokenizer, sum(lengths), seed)

@@ -15,17 +15,18 @@ from typing import Any
 
 from ..config import SpeedupConfigError
 from ..presets import list_presets
+from .chat_data import TOKEN_RANGE as CHAT_RANGE
 from .data import RAGGED_RANGE, read_records
 
 REFERENCE = "stock"  # every ratio is taken against it, so it always runs
 LORA_REFERENCE = "stock-peft"  # LoRA variants are also compared with the stock way to LoRA
-PEERS = ("stock", "stock-compile", "stock-peft", "trl-sft", "liger", "unsloth")
-DATA_KINDS = ("ragged", "fixed")
+PEERS = ("stock", "stock-flat", "stock-compile", "stock-peft", "trl-sft", "liger", "unsloth")
+DATA_KINDS = ("ragged", "fixed", "docs-chat")
 SCHEDULES = ("auto", "lockstep", "sequential")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
 
-DEFAULT_PEERS = ("stock", "stock-compile", "trl-sft", "liger", "unsloth")
+DEFAULT_PEERS = ("stock", "stock-flat", "stock-compile", "trl-sft", "liger", "unsloth")
 DEFAULT_PRESETS = ("auto", "fast", "memory", "lora")
 
 # Llama-3.2-1B's sizes: the GPU plan builds it from this config (random weights, no hub).
@@ -60,7 +61,7 @@ class BenchOptions:
     variants: list[str] = field(default_factory=lambda: [*DEFAULT_PEERS, *DEFAULT_PRESETS])
     batch_size: int = 8
     seq_len: int = 512
-    data: str = "ragged"  # ragged | fixed | a .jsonl/.json/.txt file
+    data: str = "ragged"  # ragged | fixed | docs-chat | a .jsonl/.json/.txt file
     steps: int = 20  # optimizer steps per variant; the loss is read after the last one
     warmup: int | None = None  # steps left out of the steady state (None: min(5, steps // 4), at least 1)
     output: str = "outputs/bench"
@@ -158,8 +159,8 @@ class BenchOptions:
             out.append("--device = 'cuda': no CUDA device here; allowed: auto, cpu, or cuda on a machine with a GPU; "
                        "fix: run it on a GPU machine, or add --dry-run to prove the plan on this CPU")
         if self.data not in DATA_KINDS and not os.path.isfile(str(self.data)):
-            out.append(f"--data = {self.data!r} is not allowed; allowed: ragged, fixed, or an existing .jsonl/.json/.txt "
-                       "file; fix: e.g. --data ragged, or check the file's path")
+            out.append(f"--data = {self.data!r} is not allowed; allowed: ragged, fixed, docs-chat, or an existing "
+                       ".jsonl/.json/.txt file; fix: e.g. --data ragged, or check the file's path")
         elif self.data not in DATA_KINDS and not str(self.data).endswith((".jsonl", ".json", ".txt")):
             out.append(f"--data = {self.data!r}: unknown file type; allowed: .jsonl or .json (objects with 'text' or "
                        "'input_ids') or .txt (one example per line); fix: convert the file to one of these")
@@ -176,6 +177,9 @@ class BenchOptions:
         if self.data == "ragged" and isinstance(self.seq_len, int) and self.seq_len < RAGGED_RANGE[0]:
             out.append(f"--seq-len = {self.seq_len} is too short for --data ragged (lengths from {RAGGED_RANGE[0]}); "
                        f"allowed: >= {RAGGED_RANGE[0]}; fix: raise --seq-len or use --data fixed")
+        if self.data == "docs-chat" and isinstance(self.seq_len, int) and self.seq_len < CHAT_RANGE[0]:
+            out.append(f"--seq-len = {self.seq_len} is too short for --data docs-chat (conversations of "
+                       f"{CHAT_RANGE[0]}-{CHAT_RANGE[1]} tokens); allowed: >= {CHAT_RANGE[0]}; fix: --seq-len {CHAT_RANGE[1]}")
         if not self.variants:
             out.append("--presets/--peers: nothing to run; allowed: at least one preset or peer; fix: e.g. --presets fast")
         for spec in self.variants:

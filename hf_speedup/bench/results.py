@@ -15,6 +15,8 @@
   ``HF_SPEEDUP_MEASURE=0``): the step against what this device really delivers, where MFU has no peak;
 - breakdown (``--breakdown``): one extra step under torch.profiler, its time by bucket (matmul, attention,
   loss, optimizer, data, compiled, elementwise, overhead), in ``bench.json`` and the notes;
+- whole run: process start to the end of the last timed step (set-up, cold compile, every recompile and every
+  step), and the tokens of all timed steps over it (whole-run tokens/s, beside the steady figure);
 - cold start: process start to the end of step 1 with empty compile caches (imports, model, trainer,
   compile and the first step);
 - loss: the mean training loss of the last ``max(1, steps // 5)`` steps, and its difference from stock's
@@ -30,8 +32,8 @@ from ..features.profile.breakdown import breakdown_lines
 from ..report.measure import flops_per_token
 from .options import LORA_REFERENCE, REFERENCE, BenchOptions, preset_config
 
-COLUMNS = ("variant", "tokens/s", "x stock (IQR)", "step ms", "peak mem MiB", "peak RSS MiB", "model GFLOP/s",
-           "% matmul peak", "MFU", "cold start s", "loss", "Δ loss")
+COLUMNS = ("variant", "tokens/s", "x stock (IQR)", "step ms", "whole run s", "whole-run tokens/s", "peak mem MiB",
+           "peak RSS MiB", "model GFLOP/s", "% matmul peak", "MFU", "cold start s", "loss", "Δ loss")
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -99,6 +101,8 @@ def summarize(rows: dict[str, dict], options: BenchOptions) -> list[dict]:
             "setup_s": row.get("setup_s"),
             "first_step_s": seconds[0],
             "cold_start_s": (row.get("setup_s") or 0.0) + seconds[0],
+            "whole_run_s": (row.get("setup_s") or 0.0) + sum(seconds),
+            "whole_run_tokens_per_second": sum(tokens) / ((row.get("setup_s") or 0.0) + sum(seconds)),
             "page_faults_per_step": statistics.median(row["faults"][warmup:n]) if row["faults"][warmup:n] else None,
             "peak_memory_bytes": result.get("peak_memory_bytes"),
             "peak_memory_source": result.get("peak_memory_source"),
@@ -158,6 +162,7 @@ def table_rows(entries: list[dict]) -> list[list[str]]:
         flops = m.get("model_flops_per_second")
         matmul = m.get("fraction_of_matmul_peak")
         rows.append([e["name"], f"{m['tokens_per_second']:,.0f}", ratio, f"{1e3 * m['step_time_s']:.1f}",
+                     _num(m.get("whole_run_s"), ".1f"), _num(m.get("whole_run_tokens_per_second"), ",.0f"),
                      _mib(m.get("peak_memory_bytes")), _mib(m.get("peak_rss_bytes")),
                      _num(flops / 1e9 if flops is not None else None, ",.1f"),
                      f"{100 * matmul:.1f}%" if matmul is not None else "", mfu,

@@ -127,22 +127,23 @@ class Worker:
         shutil.rmtree(self.cache, ignore_errors=True)
 
 
-def worker_spec(options: BenchOptions, name: str, device: str, output: str) -> dict:
+def worker_spec(options: BenchOptions, name: str, device: str, output: str, rows_file: str | None = None) -> dict:
     track = device != "cuda"
     return {
         "variant": name, "kind": variant_kind(name, options.custom), "slug": slug(name),
         "custom": options.custom.get(name), "options": options.to_dict(), "device": device,
         "bf16": options.bf16(device), "output": output, "warmup": options.warmup_steps,
         "loss_window": options.loss_window, "track_memory": track, "breakdown": options.breakdown,
-        "total_steps": options.steps + (1 if track else 0) + (1 if options.breakdown else 0),
+        "total_steps": options.steps + (1 if track else 0) + (1 if options.breakdown else 0), "rows_file": rows_file,
     }
 
 
 class Run:
     """The state of every variant while the workers run: step seconds, faults, set-up time, result."""
 
-    def __init__(self, options: BenchOptions, device: str, output: str, say=print):
+    def __init__(self, options: BenchOptions, device: str, output: str, say=print, rows_file: str | None = None):
         self.options, self.device, self.output, self.say = options, device, output, say
+        self.rows_file = rows_file  # rows made once by the parent (docs-chat), or None: each worker makes them
         self.names = options.with_reference()
         self.rows: dict[str, dict] = {n: {"name": n, "kind": variant_kind(n, options.custom), "status": "pending",
                                           "seconds": [], "faults": []} for n in self.names}
@@ -170,7 +171,7 @@ class Run:
             return None
 
     def start(self, name: str) -> None:
-        worker = Worker(name, worker_spec(self.options, name, self.device, self.output), self.output)
+        worker = Worker(name, worker_spec(self.options, name, self.device, self.output, self.rows_file), self.output)
         self.workers[name] = worker
         if self.exchange(name, worker, "ready") is None:
             return
@@ -234,10 +235,11 @@ class Run:
             self.workers.pop(name).close()
 
 
-def run_variants(options: BenchOptions, device: str, output: str, say=print) -> dict[str, dict]:
+def run_variants(options: BenchOptions, device: str, output: str, say=print,
+                 rows_file: str | None = None) -> dict[str, dict]:
     """Run every variant; returns the raw per-variant rows (status, step seconds, worker result)."""
     os.makedirs(os.path.join(output, "logs"), exist_ok=True)
-    run = Run(options, device, output, say)
+    run = Run(options, device, output, say, rows_file)
     runnable = []
     for name in run.names:
         why = unavailable(name, run.rows[name]["kind"], device)

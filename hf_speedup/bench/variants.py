@@ -1,5 +1,6 @@
 """Each bench variant built the way its own documentation says: a preset through SpeedupTrainer, the stock
-Trainer (with torch.compile, Liger or peft LoRA), TRL's SFTTrainer, Unsloth; on the embedded tiny Llama, a
+Trainer (with torch.compile, Liger, peft LoRA or transformers' padding-free ``DataCollatorWithFlattening``),
+TRL's SFTTrainer, Unsloth; on the embedded tiny Llama, a
 model built from ``--config`` or one loaded from ``--model``. Every trainer class gets the same batch counting."""
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def build_trainer(spec: dict, meter: TokenMeter, tok, dataset):
     model = build_model(spec)
     if name == LORA_REFERENCE:
         model = peft_adapters(model)
+    if name == "stock-flat":  # the stock way to padding-free: each batch one row, position_ids restart per sequence
+        from transformers import DataCollatorWithFlattening
+
+        collator = DataCollatorWithFlattening()
     extra = {"stock-compile": {"torch_compile": True}, "liger": {"use_liger_kernel": True}}.get(name, {})
     return counting(Trainer, meter)(model=model, args=TrainingArguments(**kw, **extra), train_dataset=dataset,
                                     data_collator=collator)

@@ -197,7 +197,8 @@ def run(spec: dict, chan: Channel) -> dict:
 
         torch.set_num_threads(opts["threads"])
     tok = tokenizer_for(opts)
-    rows = make_rows(tok, opts["data"], opts["batch_size"] * spec["total_steps"], opts["seq_len"], opts["seed"])
+    data = spec.get("rows_file") or opts["data"]  # rows the parent made once (docs-chat), else made here
+    rows = make_rows(tok, data, opts["batch_size"] * spec["total_steps"], opts["seq_len"], opts["seed"])
     # TRL wants a datasets.Dataset; the Trainer takes the list as it is (same sampler order: it depends on the
     # length and the seed only), so a GPU image without `datasets` runs every other variant
     dataset = as_dataset(rows) if spec["variant"] in ("trl-sft", "unsloth") else rows
