@@ -174,12 +174,14 @@ def test_fast_trained_in_bf16_by_measurement_stays_within_bf16_tolerance_of_base
     assert worst <= BF16_VS_FP32_LOSS_REL, (worst, got, want)
 
 
-def test_an_implausible_timing_is_neither_used_nor_cached(measuring, tiny_model, monkeypatch):
+@pytest.mark.parametrize("ratio, spread", [(30.0, 0.0), (1.6, 0.4)], ids=["implausible", "halves-disagree"])
+def test_an_implausible_or_unsteady_timing_is_neither_used_nor_cached(measuring, tiny_model, monkeypatch, ratio,
+                                                                       spread):
     calls = []
 
     def busy(shapes, tokens=matmul_speed.TOKENS):
-        calls.append(1)
-        return 30.0, {f"{k}x{n}": 30.0 for k, n, _ in shapes}  # a thread descheduled mid-GEMM, every time
+        calls.append(1)  # a thread descheduled mid-GEMM, or load that changed while timing, every time
+        return ratio, {f"{k}x{n}": ratio for k, n, _ in shapes}, spread
 
     monkeypatch.setattr(matmul_speed, "bf16_matmul_ratio", busy)
     caps = fake_caps(**CPU_NO_BF16)
@@ -189,3 +191,16 @@ def test_an_implausible_timing_is_neither_used_nor_cached(measuring, tiny_model,
     assert d.applied == "fp32" and "could not be measured" in d.reason
     precision.measure(get_preset("auto"), caps, describe_model(tiny_model))
     assert len(calls) == 4  # nothing was cached: timed again
+
+
+def test_each_shapes_ratio_is_the_median_of_adjacent_pairs_so_load_between_pairs_cancels(monkeypatch):
+    """Pairs of runs timed under changing load: every pair's ratio is 2 whatever the load, so is the figure."""
+    loads = iter([1.0, 1.0] + [1.0, 1.0, 5.0, 5.0, 1.0, 1.0, 9.0, 9.0] * 100)
+
+    def run(x, w, grad, bf16):
+        return next(loads) * (0.5 if bf16 else 1.0)
+
+    monkeypatch.setattr(matmul_speed, "_run", run)
+    monkeypatch.setattr(matmul_speed, "SHAPE_SECONDS", 0.0)
+    ratio, each, spread = matmul_speed.bf16_matmul_ratio([(8, 16, 2), (16, 8, 1)], tokens=4)
+    assert ratio == pytest.approx(2.0) and each == {"8x16": 2.0, "16x8": 2.0} and spread == pytest.approx(0.0)

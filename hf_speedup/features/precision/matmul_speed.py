@@ -10,8 +10,10 @@ What is timed: every distinct linear of a decoder block (``ModelShape.block_line
 one training step runs it, forward ``x @ W.T`` and backward (``grad_x`` and ``grad_W``) through autograd, once in
 fp32 and once under ``torch.autocast("cpu", bfloat16)``, which includes the casts autocast adds (the fp32 weight
 cast to bf16 on every forward, the activations cast in, the gradients cast back to fp32). The value is the ratio
-of the two total times, each shape weighted by how often a step runs it (blocks x occurrences; the head once), so
-a FLOP-weighted bf16/fp32 speed ratio of the step's matmuls.
+of the two step times, each shape weighted by its share of the step's matmul FLOPs (blocks x occurrences; the
+head once). Each shape's ratio is the median over adjacent fp32/bf16 pairs of runs, so load that comes and goes on
+a shared machine slows both sides of a pair alike; where the first and second half of the pairs disagree by more
+than ``MAX_SPREAD`` the load changed under the timing, and the figure is neither used nor cached.
 
 The sizes: ``TOKENS`` rows per GEMM (1,024 tokens: past ~1K rows a GEMM's speed per token is flat, and a step
 of 4-8 rows x 512 tokens runs these GEMMs at 2-4K rows); outputs wider than ``MAX_COLUMNS`` (the LM head) are
@@ -38,13 +40,15 @@ KEY = "precision.bf16_matmul"  # Capabilities.measured key: Measurement(value = 
 THRESHOLD = 1.25
 TOKENS = 1024  # rows of every timed GEMM
 MAX_COLUMNS = 4096  # a wider output (the LM head) is timed on this many columns and its time scaled
-SHAPE_SECONDS = 0.05  # a small shape's pairs of runs go on this long (at most MAX_REPS pairs)
+SHAPE_SECONDS = 0.15  # a small shape's pairs of runs go on this long (at most MAX_REPS pairs)
 MAX_REPS = 200
+MIN_PAIRS, MIN_PAIRS_LARGE = 6, 4  # pairs of runs per shape at least (a large shape: above FLOP_BUDGET)
+MAX_SPREAD = 0.15  # the halves of the timing may differ this much; more, and the load changed while timing
 # bf16 on a CPU without AMX runs at most ~2x the fp32 FLOP rate (avx512_bf16 dot products) plus halved memory
 # traffic: a shape measured outside this range was timed on a machine too busy to time (threads descheduled
 # mid-GEMM), and such a figure is neither used nor cached
 PLAUSIBLE = (0.1, 6.0)
-FLOP_BUDGET = 6e9  # a shape above this many FLOPs per fwd+bwd is timed twice after a warm-up (else three times)
+FLOP_BUDGET = 6e9  # a shape above this many FLOPs per fwd+bwd is timed in fewer pairs (MIN_PAIRS_LARGE)
 
 
 def gemm_shapes(model) -> list[tuple[int, int, int]]:
@@ -77,43 +81,53 @@ def _run(x: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, bf16: bool) -> fl
     return time.perf_counter() - start
 
 
-def time_shape(fan_in: int, fan_out: int, tokens: int = TOKENS) -> tuple[float, float]:
-    """(fp32 seconds, bf16-autocast seconds) of one forward + backward of ``x @ W.T`` at this shape, the best of
-    interleaved runs (noise only adds time), scaled to the full width when timed on ``MAX_COLUMNS`` columns."""
+def time_shape(fan_in: int, fan_out: int, tokens: int = TOKENS) -> list[float]:
+    """fp32 seconds / bf16-autocast seconds of one forward + backward of ``x @ W.T`` at this shape, one ratio per
+    adjacent pair of runs (their order alternating): load that comes and goes slows both runs of a pair alike,
+    where the best of each dtype alone would compare a lucky fp32 moment with an unlucky bf16 one."""
     cols = min(fan_out, MAX_COLUMNS)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, fan_in, generator=gen).requires_grad_()
     w = (torch.randn(cols, fan_in, generator=gen) / fan_in ** 0.5).requires_grad_()
     grads = {False: torch.randn(tokens, cols, generator=gen)}
     grads[True] = grads[False].to(torch.bfloat16)  # what reaches a bf16 output from the ops after it
-    reps = 2 if 6 * tokens * fan_in * cols > FLOP_BUDGET else 3
-    best = {False: float("inf"), True: float("inf")}
+    reps = MIN_PAIRS_LARGE if 6 * tokens * fan_in * cols > FLOP_BUDGET else MIN_PAIRS
     for bf16 in (False, True):  # warm-up: oneDNN builds its bf16 primitives on the first call
         _run(x, w, grads[bf16], bf16)
-    start, done = time.perf_counter(), 0
-    # interleaved pairs, at least ``reps`` and, for small shapes, until SHAPE_SECONDS have passed: on a busy machine
-    # one lucky run of a sub-millisecond GEMM would otherwise decide its ratio
-    while done < reps or (time.perf_counter() - start < SHAPE_SECONDS and done < MAX_REPS):
-        for bf16 in (False, True):
-            best[bf16] = min(best[bf16], _run(x, w, grads[bf16], bf16))
-        done += 1
-    scale = fan_out / cols
-    return best[False] * scale, best[True] * scale
+    start, ratios = time.perf_counter(), []
+    while len(ratios) < reps or (time.perf_counter() - start < SHAPE_SECONDS and len(ratios) < MAX_REPS):
+        order = (False, True) if len(ratios) % 2 == 0 else (True, False)
+        took = {bf16: _run(x, w, grads[bf16], bf16) for bf16 in order}
+        ratios.append(took[False] / took[True])
+    return ratios
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _describe(shapes: list[tuple[int, int, int]]) -> str:
     return ", ".join(f"{k}x{n}" + (f" x{c}" if c > 1 else "") for k, n, c in shapes)
 
 
-def bf16_matmul_ratio(shapes: list[tuple[int, int, int]], tokens: int = TOKENS) -> tuple[float, dict]:
-    """The step-weighted bf16/fp32 speed ratio of ``shapes`` and the per-shape ratios."""
-    fp32 = bf16 = 0.0
+def bf16_matmul_ratio(shapes: list[tuple[int, int, int]], tokens: int = TOKENS) -> tuple[float, dict, float]:
+    """The step-weighted bf16/fp32 speed ratio of ``shapes`` (each shape's median pair ratio, weighted by its share
+    of the step's matmul FLOPs), the per-shape ratios, and how far the ratio of the pairs' first and second halves
+    differ (a machine whose load changed while timing gives halves that disagree)."""
+    flops = {(k, n): count * k * n for k, n, count in shapes}
+    total = sum(flops.values())
+    whole = first = second = 0.0
     each: dict = {}
-    for k, n, count in shapes:
-        t32, t16 = time_shape(k, n, tokens)
-        fp32, bf16 = fp32 + count * t32, bf16 + count * t16
-        each[f"{k}x{n}"] = round(t32 / t16, 2)
-    return fp32 / bf16, each
+    for k, n, _ in shapes:
+        ratios = time_shape(k, n, tokens)
+        share, half = flops[(k, n)] / total, len(ratios) // 2
+        whole += share / _median(ratios)  # time fractions add up: the step's bf16 time over its fp32 time
+        first += share / _median(ratios[:half] or ratios)
+        second += share / _median(ratios[half:])
+        each[f"{k}x{n}"] = round(_median(ratios), 2)
+    return 1.0 / whole, each, abs(second - first) / max(first, second)
 
 
 def measure(config, caps, model) -> dict:
@@ -134,15 +148,16 @@ def measure(config, caps, model) -> dict:
     if found is not None:
         return {KEY: found}
     for _ in range(2):  # a busy moment: once more
-        ratio, each = bf16_matmul_ratio(shapes)
+        ratio, each, spread = bf16_matmul_ratio(shapes)
         what = (f"bf16 autocast vs fp32, forward + backward with the casts, {TOKENS} tokens through "
                 f"{_describe(shapes)} (in x out x per step); per shape {each}")
-        if all(PLAUSIBLE[0] <= r <= PLAUSIBLE[1] for r in each.values()):
+        if all(PLAUSIBLE[0] <= r <= PLAUSIBLE[1] for r in each.values()) and spread <= MAX_SPREAD:
             result = Measurement(round(ratio, 3), what, where)
             record(KEY, key, result)
             return {KEY: result}
-    return {KEY: Measurement(None, f"{what}: a shape outside {PLAUSIBLE[0]}-{PLAUSIBLE[1]}x, this machine was too "
-                                   "busy to time (not cached)", where)}
+    return {KEY: Measurement(None, f"{what}: the two halves of the timing differ by {spread:.0%} or a shape fell "
+                                   f"outside {PLAUSIBLE[0]}-{PLAUSIBLE[1]}x: this machine was too busy to time "
+                                   "(not cached)", where)}
 
 
 def wanted(config, caps, model) -> bool:
