@@ -12,15 +12,15 @@ it, the sinks (JSON, W&B, console) and ``hf-speedup report`` only read it.
   ``recompile_seconds`` after the first step);
 - ``metrics`` also states the step against this machine's own limit: ``model_flops_per_second`` (achieved:
   FLOPs per token x steady tokens/s, all ranks; ``whole_run_model_flops_per_second`` on the wall clock),
-  ``matmul_peak_flops_per_second`` (a large GEMM in the run's dtype timed in process, cached per machine; null
-  with ``HF_SPEEDUP_MEASURE=0``) and ``fraction_of_matmul_peak`` (achieved / (matmul peak x devices));
+  ``matmul_peak_flops_per_second`` (a large GEMM in the run's dtype timed in process at every run, the best
+  figure this machine has shown kept; null with ``HF_SPEEDUP_MEASURE=0``) and ``fraction_of_matmul_peak`` (achieved / (matmul peak x devices));
 - ``measurement``: how the metrics were obtained (steps, tokens, FLOPs per token, peak used, dtype ...);
 - ``environment``: package versions and the device;
 - ``history``: one entry per logging step (throughput, step time, memory), bounded in length;
 - ``step_times``: ``[global_step, seconds, compiled]`` per optimizer step, bounded in length;
 - ``profile``: null unless ``profile.enabled``; then the profiled steps, the trace file (TensorBoard /
   Perfetto), the labels found in it, the top operators by self time, ``time_breakdown`` (the profiled step's
-  time by bucket: matmul, attention, loss, optimizer, data, other kernels, Python/framework overhead) and the
+  time by bucket: matmul, attention, loss, optimizer, data, compiled, elementwise, overhead) and the
   CUDA memory snapshot (or why none);
 - ``capabilities``, ``model``, ``config``: what the plan was built from.
 """
