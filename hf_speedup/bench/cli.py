@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help=f"named settings ({', '.join(PROFILES)}); the flags above override them")
     p.add_argument("--breakdown", action="store_true",
                    help="profile one extra step per variant (after the timed ones) and show where its time goes: "
-                        "matmul, attention, loss, optimizer, data, other kernels, Python/framework overhead")
+                        "matmul, attention, loss, optimizer, data, compiled, elementwise, overhead")
     p.add_argument("--dry-run", action="store_true", help="the same plan on CPU with a tiny config (proves it)")
 
 

@@ -11,8 +11,8 @@
   tokens/s / peak FLOP/s of the dtype in use; empty where the peak is unknown (CPUs, unless
   ``HF_SPEEDUP_PEAK_FLOPS`` is set);
 - model FLOP/s: the same FLOPs per token x tokens/s, achieved; % matmul peak: model FLOP/s over this machine's
-  matmul peak (a large GEMM in the variant's dtype, timed in the worker once per machine and cached; empty with
-  ``HF_SPEEDUP_MEASURE=0``): the step against what this device really delivers, where MFU has no peak;
+  matmul peak (a large GEMM in the variant's dtype, timed in the worker, the best this machine has shown
+  kept; empty with ``HF_SPEEDUP_MEASURE=0``): the step against what this device really delivers, where MFU has no peak;
 - breakdown (``--breakdown``): one extra step under torch.profiler, its time by bucket (matmul, attention,
   loss, optimizer, data, compiled, elementwise, overhead), in ``bench.json`` and the notes;
 - whole run: process start to the end of the last timed step (set-up, cold compile, every recompile and every
