@@ -117,9 +117,10 @@ class FeatureState:
 
     @property
     def reason(self) -> str:
-        """The plan's reason, what apply added, and what verify found."""
-        reason = "; ".join([self.decision.reason, *self.outcome.notes])
-        verified = self.outcome.engaged_reason
+        """The plan's reason, what apply added, and what verify found (a note verify repeats is said once)."""
+        verified = self.outcome.engaged_reason or ""
+        notes = [n for n in self.outcome.notes if not (self.outcome.engaged is not None and n and n in verified)]
+        reason = "; ".join([self.decision.reason, *notes])
         if self.outcome.engaged is not None and verified and verified != reason:
             reason = f"{reason}; verified: {verified}"
         return reason

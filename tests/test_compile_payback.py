@@ -42,6 +42,7 @@ def test_a_run_that_cannot_earn_the_compile_back_stays_eager(tiny_model, make_ar
     assert "not compiled for this run, it would not pay back: 3 step(s) left" in status.engaged_reason
     assert "fix: compile.when: always" in status.engaged_reason
     assert any("would not pay back" in note for note in status.outcome.notes)
+    assert status.reason.count("would not pay back") == 1  # the verdict verify repeats is said once
     assert any("would not pay back" in r.getMessage() for r in caplog.records)  # logged, not silent
     assert trainer.speedup_report.to_dict()["metrics"]["compiled_regions"] == 0
     # never reads as applied: the report's applied says the blocks ran eager
