@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU plan on a machine with a CUDA GPU: the `gpu` tests, then the benchmark (benchmarks/gpu.py).
 #   bash benchmarks/gpu_plan.sh              # the tests (as `tests`)
-#   bash benchmarks/gpu_plan.sh tests        # pytest -m gpu only (under 10 minutes; stopped with a summary at 9)
+#   bash benchmarks/gpu_plan.sh tests        # pytest -m gpu only (stopped with a summary at 9 minutes, or GPU_TESTS_S)
 #   bash benchmarks/gpu_plan.sh all          # both (about 20 minutes on one H100: more than one device call)
 #   bash benchmarks/gpu_plan.sh bench [ARGS] # benchmarks/gpu.py only; ARGS go to it (e.g. --variants stock,fast)
 # Wheels from benchmarks/gpu_wheels.sh (.whl/) are installed first when present. Results go to $OUT (the
@@ -31,7 +31,7 @@ if __import__('importlib').util.find_spec(p.replace('-', '_'))))"
 status=0
 if [ "$part" = tests ] || [ "$part" = all ]; then
   # SIGINT before the device call's limit: pytest still prints its summary and writes the XML
-  PYTHONUNBUFFERED=1 timeout -s INT -k 20 540 python3 -m pytest -m gpu -p no:cacheprovider -q -rA --timeout 240 \
+  PYTHONUNBUFFERED=1 timeout -s INT -k 20 "${GPU_TESTS_S:-540}" python3 -m pytest -m gpu -p no:cacheprovider -q -rA --timeout 240 \
     --durations=0 --junitxml "$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
   status=$?
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$out/gpu_tests.log" | tail -40

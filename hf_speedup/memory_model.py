@@ -55,6 +55,11 @@ transformers 5.23, see ``benchmarks/RESULTS.md``):
 - LoRA, per adapted Linear: the dropout mask (fp32 on CPU, bool on CUDA) and output (``4.d_in``, or the
   autocast copy ``c.d_in``), ``c.rank`` for lora_A's output; frozen base weights keep none of the above that
   only their own gradient needed (no norm ``x*rsqrt``, no projection inputs);
+- a compiled block (AOT autograd's min-cut partition, inductor or aot_eager, from the first step; dense blocks
+  that train), checked tensor by tensor with torch 2.13's CPU inductor in fp32 and under bf16 autocast: its input
+  ``r.h``, each norm's rsqrt ``4`` and one output in the compute dtype ``c.h`` (the casts are shared), q, k, v,
+  the attention output and log-sum-exp as above plus o_proj's contiguous input ``c.qw``, and gate, up and their
+  product ``3.c.i``; the residual after attention and act(gate) are recomputed in backward;
 - a checkpointed block keeps its input only (``r.h``) and recomputes the rest in backward; the embedding
   output ``r.h``; the final norm and, where lm_head trains, its input;
 - a KV cache: transformers builds one in training forwards when ``config.use_cache`` is on; under autocast
@@ -154,6 +159,8 @@ def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
     h, i = shape.hidden_size, shape.intermediate_size
     r, c, cast = st.residual_bytes, st.compute_bytes, st.cast
     trains = st.lora is None
+    if compiled_partition(shape, st):
+        return r * h + 2 * (4 + c * h) + _saved_attention(shape, st, c) + c * shape.attention_width + 3 * c * i
     total = 2 * r * h  # residual after attention (second norm's input) and the block output
     norm = 4 + (4 * h if r != 4 else 0) + (r * h if trains else 0)
     total += 2 * norm
@@ -173,6 +180,11 @@ def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
     if st.lora is not None:
         total += _saved_lora(shape, st, c)
     return total
+
+
+def compiled_partition(shape: ModelShape, st: TrainingSetup) -> bool:
+    """The compiled block's saved set is modelled (dense, trained in full, SDPA-style attention); else eager's."""
+    return st.compiled and st.lora is None and not shape.experts_per_token and st.attention != "eager"
 
 
 EXPERTS_MODELLED = {"eager": "transformers' expert loop", "grouped_mm": "transformers' grouped_mm experts",
@@ -324,7 +336,8 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
 
 
 def _notes(shape: ModelShape, st: TrainingSetup) -> tuple[str, ...]:
-    notes = ["eager-mode activations: compiled blocks fuse ops and usually keep less"]
+    notes = ["compiled blocks: activations as AOT autograd's partition saves them" if compiled_partition(shape, st)
+             else "eager-mode activations: compiled blocks fuse ops and usually keep less"]
     if shape.block_experts:
         kernel = EXPERTS_MODELLED.get(st.experts)
         notes.append(f"mixture of experts: activations modelled on {kernel or EXPERTS_MODELLED['eager']}, "

@@ -57,6 +57,7 @@ class TrainingSetup:
     shard_group: int = 1  # ranks the parameters are sharded over
     cpu_offload: bool = False
     gather_bytes: int = 0  # bytes per element of FSDP's gathered parameters (0: the weights' own)
+    compiled: bool = False  # the decoder blocks run compiled (AOT autograd's partition) from the first step
 
     @property
     def tokens(self) -> int:

@@ -125,7 +125,7 @@ def test_liger_on_cuda_goes_through_transformers_switch(tiny_model, make_args, m
     monkeypatch.setattr(liger, "installed", lambda: True)
     monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
     for preset in ("fast", "memory"):
-        d = plan(CUDA_H100, tiny_model, preset)["liger"]
+        d = plan(CUDA_H100, tiny_model, get_preset(preset).replace(compile={"enabled": False}))["liger"]
         assert d.applied == "rms_norm,rope,swiglu,fused_linear_cross_entropy", preset
         assert liger.training_args(d, make_args()) == {"use_liger_kernel": True}
     monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"qwen2"}))
@@ -141,8 +141,30 @@ def test_liger_under_trls_sft_trainer_is_its_layer_kernels_only(tiny_model, monk
     monkeypatch.setattr(liger, "installed", lambda: True)
     monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
     args = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to=[])
-    d = plan(CUDA_H100, tiny_model, "fast", args)["liger"]
+    eager = get_preset("fast").replace(compile={"enabled": False})
+    d = plan(CUDA_H100, tiny_model, eager, args)["liger"]
     assert d.applied == "rms_norm,rope,swiglu" and "TRL's SFTTrainer turns Liger's fused linear" in d.reason
+    # compiled blocks: the layer kernels are all TRL would apply, and they break the blocks' compile
+    d = plan(CUDA_H100, tiny_model, "fast", args)["liger"]
+    assert d.applied == "off" and d.reason.startswith("TRL's SFTTrainer applies only Liger's RMSNorm")
+
+
+def test_liger_beside_compiled_blocks_is_its_fused_loss_only(tiny_model, make_args, monkeypatch):
+    """Liger's Triton autograd functions inside a compiled block fail dynamo's trace (torch 2.11 on an H200:
+    every block fell back to eager); inductor fuses norm, rotary and SwiGLU itself, so only the loss kernel stays."""
+    monkeypatch.setattr(liger, "installed", lambda: True)
+    monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
+    decisions = plan(CUDA_H100, tiny_model, "fast")
+    assert decisions["compile"].active
+    d = decisions["liger"]
+    assert d.applied == "fused_linear_cross_entropy" and "RMSNorm, RoPE and SwiGLU left out" in d.reason
+    assert liger.training_args(d, make_args()) == {"use_liger_kernel": True, "liger_kernel_config": {
+        "rms_norm": False, "rope": False, "swiglu": False, "fused_linear_cross_entropy": True}}
+    # the user's own liger_kernel_config wins: the plan does not narrow it
+    mine = make_args(liger_kernel_config={"rope": True})
+    d = plan(CUDA_H100, tiny_model, "fast", mine)["liger"]
+    assert d.applied == "rms_norm,rope,swiglu,fused_linear_cross_entropy"
+    assert liger.training_args(d, mine) == {"use_liger_kernel": True}
 
 
 def test_liger_verification_reads_the_live_model(tiny_model, monkeypatch):
@@ -150,10 +172,16 @@ def test_liger_verification_reads_the_live_model(tiny_model, monkeypatch):
 
     monkeypatch.setattr(liger, "installed", lambda: True)
     monkeypatch.setattr(liger, "supported_model_types", lambda: frozenset({"llama"}))
-    d = plan(CUDA_H100, tiny_model, "fast")["liger"]
+    d = plan(CUDA_H100, tiny_model, get_preset("fast").replace(compile={"enabled": False}))["liger"]
+    loss_only = plan(CUDA_H100, tiny_model, "fast")["liger"]
     trainer = SimpleNamespace(model=tiny_model, args=SimpleNamespace(use_liger_kernel=True))
     ok, why = liger.verify(d, trainer, None)
     assert not ok and "not patched yet" in why
+    lce = _function_from("liger_kernel.transformers.model.llama", "lce_forward")
+    tiny_model.__dict__["forward"] = lce.__get__(tiny_model)
+    assert liger.verify(loss_only, trainer, None) == (True, "0 Liger module(s) in the model, rotary stock, loss fused "
+                                                            "linear cross-entropy")
+    del tiny_model.__dict__["forward"]
     # liger-kernel patches a live model by binding its forwards onto the instances; the classes stay stock
     liger_forward = _function_from("liger_kernel.transformers.rms_norm", "forward")
     tiny_model.model.norm.__dict__["forward"] = liger_forward.__get__(tiny_model.model.norm)

@@ -148,6 +148,17 @@ class TestDecide:
                             fake_caps(**CUDA_H100), TINY_INFO)["compile"]
         assert rc.compile_kwargs_of(static)["mode"] == "max-autotune"
 
+    def test_fasts_max_autotune_on_cuda_with_dynamic_rows_compiles_in_mode_default(self, tiny_model):
+        """Measured on an H200: max-autotune-no-cudagraphs on a 1B Llama's 16 dynamic blocks had not finished
+        compiling after 150 s (16 stock steps: 5 s). The preset's choice yields; the user's own is kept."""
+        d = plan_for("fast", fake_caps(**CUDA_H100), tiny_model)["compile"]
+        assert d.settings.dynamic is True and rc.compile_kwargs_of(d)["mode"] == "default"
+        assert "mode default, not the preset's max-autotune" in d.reason
+        mine = get_preset("fast").replace(compile={"mode": "max-autotune"})
+        d = plan_for(mine, fake_caps(**CUDA_H100), tiny_model)["compile"]
+        assert rc.compile_kwargs_of(d)["mode"] == "max-autotune-no-cudagraphs"
+        assert "mode default" not in d.reason
+
     def test_static_shapes_without_padding_warns_about_recompiles(self):
         d = plan_for(compile_cfg(dynamic=False), fake_caps(**CUDA_H100), TINY_INFO)["compile"]
         assert "each new sequence length recompiles" in d.reason

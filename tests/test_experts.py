@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CPU_NO_BF16, CUDA_H100, CUDA_V100, fake_caps
+from conftest import CPU_AMX, CPU_NO_BF16, CUDA_H100, CUDA_V100, fake_caps
 
 from hf_speedup import SpeedupConfigError, get_preset, plan_for
 from hf_speedup.features import Setup, experts
@@ -205,6 +205,17 @@ def test_the_door_times_each_kernel_at_the_models_shapes_once(tmp_path, monkeypa
     assert experts.measure(get_preset("baseline"), caps, info) == {}  # keep: nothing to choose, nothing timed
     d = plan_for("auto", caps=caps, model=info)["experts"]
     assert d.settings.measured and "(cached)" in d.reason
+
+
+def test_the_door_times_in_the_dtype_the_plan_will_train_in():
+    """The precision feature's choice: bf16 autocast on a bf16 GPU or an AMX CPU, fp32 where bf16 does not pay
+    (found on an H200: the door built its context without ``args`` and timed every GPU in fp32)."""
+    from hf_speedup.features.experts.door import compute_dtype
+
+    info = describe_model(build("qwen3_moe"))
+    for caps, dtype in ((CUDA_H100, torch.bfloat16), (CPU_AMX, torch.bfloat16), (CPU_NO_BF16, torch.float32)):
+        assert compute_dtype(get_preset("auto"), fake_caps(**caps), info) == dtype, caps["device_name"]
+    assert compute_dtype(get_preset("baseline"), fake_caps(**CUDA_H100), info) == torch.float32
 
 
 def test_sharded_experts_are_read_from_the_config_without_a_probe_forward():

@@ -63,7 +63,9 @@ def test_fast_compiles_every_block_with_no_fallback_under_tf32(tiny_model, datas
     were TF32 set through torch's new API alone, that read raised and every block fell back to eager."""
     from hf_speedup.features.compile import compile_stats
 
-    trainer = _trainer("fast", tiny_model, dataset, collator, make_args, max_steps=6)
+    # max-autotune asked for (the preset alone compiles padding-free rows in mode default on CUDA)
+    cfg = get_preset("fast").replace(compile={"mode": "max-autotune"})
+    trainer = _trainer(cfg, tiny_model, dataset, collator, make_args, max_steps=6)
     trainer.train()
     blocks = len(find_blocks(unwrap_model(trainer.model)))
     stats = compile_stats(trainer.model)
@@ -77,6 +79,11 @@ def test_fast_compiles_every_block_with_no_fallback_under_tf32(tiny_model, datas
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     precision = trainer.speedup_status["precision"]
     assert precision.applied == "bf16+tf32" and precision.engaged, precision.engaged_reason
+    from hf_speedup.features import liger
+
+    if liger.installed():  # beside compiled blocks only Liger's loss kernel: its layer kernels break the trace
+        kernels = trainer.speedup_status["liger"]
+        assert kernels.decision.applied == "fused_linear_cross_entropy" and kernels.engaged, kernels.engaged_reason
 
 
 # ------------------------------------------------------------------------------------------ kernels

@@ -2,7 +2,10 @@
 ``TrainingArguments.use_liger_kernel``: the Trainer patches the model when ``train()`` starts.
 
 ``auto`` (fast and memory presets) turns them on where they run: a CUDA device, ``liger-kernel`` installed
-and a model type Liger knows. On CPU they are off with that reason (Triton kernels need a GPU). Verified on
+and a model type Liger knows. On CPU they are off with that reason (Triton kernels need a GPU). Where the blocks are compiled (the
+compile feature decides first), only the fused linear cross-entropy is applied (``liger_kernel_config``):
+inductor fuses RMSNorm, RoPE and SwiGLU itself, and Liger's Triton autograd functions inside a compiled block
+fail dynamo's trace (torch 2.11, liger-kernel 0.8.5 on an H200: every block fell back to eager). Verified on
 the live model once training has started: Liger's module classes in the blocks, its rotary function in the
 modeling module, its fused-loss forward on the model.
 """
@@ -23,10 +26,15 @@ PACKAGE = "liger_kernel"
 logger = logging.getLogger("hf_speedup")
 
 
+LAYER_KERNELS = ("rms_norm", "rope", "swiglu")
+LOSS_KERNEL = "fused_linear_cross_entropy"
+
+
 @dataclass(frozen=True)
 class Settings:
     enabled: bool = False
     model_type: str | None = None
+    kernel_config: tuple[tuple[str, bool], ...] = ()  # TrainingArguments.liger_kernel_config, where we set it
 
 
 def installed() -> bool:
@@ -67,11 +75,24 @@ def decide(ctx: PlanContext) -> Decision:
         reason = "TrainingArguments.use_liger_kernel=True already; "
     else:
         reason = ""
+    compiled = _blocks_compiled(ctx) and not getattr(ctx.args, "liger_kernel_config", None)
+    if compiled and is_trl_sft_config(ctx.args):
+        return off("TRL's SFTTrainer applies only Liger's RMSNorm, RoPE and SwiGLU, and the blocks are compiled: "
+                   "inductor fuses those ops itself, and Liger's Triton autograd functions inside a compiled block "
+                   "fail dynamo's trace (every block would run eager): off")
     if is_trl_sft_config(ctx.args):  # its trainer applies Liger's layer kernels only
         reason += ("Liger RMSNorm, RoPE and SwiGLU via SFTConfig.use_liger_kernel; TRL's SFTTrainer turns Liger's "
                    "fused linear cross-entropy off, its own fused LM head computes the loss without the full "
                    "logits (TRL 1.16 marks use_liger_kernel deprecated, for Hub kernels)")
         applied = "rms_norm,rope,swiglu"
+    elif compiled:
+        reason += ("Liger's fused linear cross-entropy only (the full logits are never stored), via "
+                   "TrainingArguments.use_liger_kernel with liger_kernel_config; its RMSNorm, RoPE and SwiGLU left "
+                   "out: the blocks are compiled, inductor fuses those ops itself, and Liger's Triton autograd "
+                   "functions inside a compiled block fail dynamo's trace (every block would run eager)")
+        config = tuple((k, False) for k in LAYER_KERNELS) + ((LOSS_KERNEL, True),)
+        return Decision(NAME, requested=asked, applied=LOSS_KERNEL, reason=reason,
+                        settings=Settings(enabled=True, model_type=model_type, kernel_config=config))
     else:
         reason += ("Liger RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (the full logits are never stored) via "
                    "TrainingArguments.use_liger_kernel; transformers patches the model when train() starts")
@@ -80,8 +101,17 @@ def decide(ctx: PlanContext) -> Decision:
                     settings=Settings(enabled=True, model_type=model_type))
 
 
+def _blocks_compiled(ctx: PlanContext) -> bool:
+    """The compile feature (deciding before this one) compiles the decoder blocks."""
+    compiled = ctx.decisions.get("compile")
+    return compiled is not None and compiled.active
+
+
 def training_args(decision: Decision, args) -> dict:
-    return {"use_liger_kernel": True} if decision.active else {}
+    if not decision.active:
+        return {}
+    kernels = getattr(decision.settings, "kernel_config", ())
+    return {"use_liger_kernel": True, **({"liger_kernel_config": dict(kernels)} if kernels else {})}
 
 
 def apply(decision: Decision, setup, outcome: Outcome) -> None:
@@ -126,4 +156,6 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return False, "args.use_liger_kernel=True; not patched yet (transformers applies Liger when train() starts)"
     text = (f"{parts['modules']} Liger module(s) in the model, rotary {'Liger' if parts['rope'] else 'stock'}, "
             f"loss {'fused linear cross-entropy' if parts['fused_loss'] else 'stock'}")
+    if decision.applied == LOSS_KERNEL:  # layer kernels left out on purpose (compiled blocks)
+        return parts["fused_loss"] and not parts["modules"], text
     return parts["modules"] > 0, text

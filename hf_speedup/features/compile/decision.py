@@ -80,7 +80,9 @@ def decide(ctx: PlanContext) -> Decision:
     if _padding_free(ctx) and settings.dynamic is not True:
         settings = replace(settings, dynamic=True)  # one graph for every row length (see _on_reason)
     if caps.is_cuda and settings.dynamic is True and settings.mode == "max-autotune":
-        settings = replace(settings, mode=NO_CUDAGRAPHS)  # see _on_reason
+        # see _on_reason: a preset's max-autotune becomes default, the user's own keeps its GEMM autotuning
+        explicit = "compile.mode" in ctx.config.explicit_fields()
+        settings = replace(settings, mode=NO_CUDAGRAPHS if explicit else "default")
     autotune = _autotunes_cpu_gemms(cfg, caps) and settings.dynamic is not True
     settings = replace(settings, cpu_gemm="autotune" if autotune else "default")
     return Decision(NAME, requested=requested, applied=f"{cfg.regions}:{cfg.backend}",
@@ -88,6 +90,7 @@ def decide(ctx: PlanContext) -> Decision:
 
 
 NO_CUDAGRAPHS = "max-autotune-no-cudagraphs"
+AUTOTUNE_COLD_S = 150  # max-autotune-no-cudagraphs, dynamic, Llama-3.2-1B shape, H200: not done after 150 s
 
 
 def _when(asked: str, caps) -> str:
@@ -131,6 +134,11 @@ def _on_reason(ctx: PlanContext, s: Settings) -> str:
     if s.mode == NO_CUDAGRAPHS and ctx.config.compile.mode == "max-autotune":
         parts.append("max-autotune without CUDA graphs: with a dynamic sequence dimension inductor would record "
                      "new graphs for every length seen, their memory pool growing step after step")
+    if s.mode == "default" and ctx.config.compile.mode == "max-autotune":
+        parts.append(f"mode default, not the preset's max-autotune: with a dynamic sequence dimension CUDA graphs "
+                     f"are off and GEMM autotuning tunes for one length, yet it cost over {AUTOTUNE_COLD_S} s of cold "
+                     f"compile on a 1B Llama's 16 blocks (H200; 16 stock steps took 5 s); set compile.mode: "
+                     f"max-autotune-no-cudagraphs to autotune anyway")
     if _padding_free(ctx):
         parts.append(f"padding-free rows change length every step: the sequence dimension is compiled dynamic "
                      f"(dynamic={ctx.config.compile.dynamic} asked), one graph for every length instead of a "

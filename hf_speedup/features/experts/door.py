@@ -24,7 +24,7 @@ def compute_dtype(config, caps, info) -> torch.dtype:
     try:
         from .. import precision
 
-        return precision.decide(PlanContext(config=config, caps=caps, model=info)).settings.dtype
+        return precision.decide(PlanContext(config=config, caps=caps, model=info, args=None)).settings.dtype
     except Exception as exc:  # the plan proper reports precision's own problems; time in the weights' dtype
         logger.info("hf_speedup experts: timed in %s (precision undecided here: %s)", weights, exc)
         return weights

@@ -88,8 +88,11 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
         fsdp = dict(fsdp=fs.strategy, shard_group=fs.mesh.shape[-1], cpu_offload=fs.cpu_offload, gather_bytes=gather)
     elif (zero := zero_sharding(_settings(decisions, "deepspeed"), caps.world_size)) is not None:
         fsdp = zero
+    comp = decisions.get("compile")
+    compiled = bool(comp is not None and comp.active and getattr(comp.settings, "when", "always") == "always"
+                    and getattr(comp.settings, "backend", "inductor") not in ("eager", "cudagraphs"))
     return TrainingSetup(
-        micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, weight_bytes=wb, compute_bytes=compute,
+        compiled=compiled, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, weight_bytes=wb, compute_bytes=compute,
         lora=lora, checkpointed=blocks, optimizer=kind, chunked_loss=chunked, chunk_tokens=chunk_tokens,
         attention=getattr(attn, "implementation", None) or shape.attention, experts=kernel or "eager",
         padded=padded and not getattr(data, "padding_free", False),
