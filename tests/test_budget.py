@@ -9,7 +9,7 @@ from hf_speedup import SpeedupConfig, plan_for, estimate_memory
 from hf_speedup.config import SpeedupConfigError
 from hf_speedup.features import memory
 
-from conftest import CPU_NO_BF16, CUDA_H100, fake_caps
+from conftest import CPU_AMX, CPU_NO_BF16, CUDA_H100, fake_caps
 
 H100 = fake_caps(**CUDA_H100, memory_bytes=85_000_000_000)
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -107,6 +107,30 @@ def test_8b_at_24gb_only_lora_would_fit_and_the_error_says_so(tmp_path, llama3_8
     assert "+ chunked cross-entropy, micro-batch 1 x 8 accumulation" in text  # the leanest it tried
     assert "LoRA (lora.enabled: true): " in text and ", fits;" in text
     assert "never switches to adapters behind your back" in text
+
+
+def test_the_lora_alternative_loads_its_base_in_the_plans_precision(tmp_path):
+    """load_model loads a frozen base in the precision feature's dtype: an AMX CPU told fp32 keeps an fp32 base, and
+    a CPU whose bf16 was chosen by measurement (no AMX flag) gets a bf16 one; the error's figure follows the plan."""
+    import re
+
+    from hf_speedup.measured import Measurement
+    from hf_speedup.model_info import describe_model
+    from hf_speedup.tiny import tiny_llama
+
+    info = describe_model(tiny_llama(seed=0))
+    fast_bf16 = {"precision.bf16_matmul": Measurement(value=3.0, what="faked", where="test")}
+
+    def lora_figure(caps, dtype):
+        with pytest.raises(SpeedupConfigError) as err:
+            plan_for({"memory": {"budget": "1MB", "seq_len": 512}, "precision": {"dtype": dtype}}, caps, info,
+                     _args(tmp_path, per_device_train_batch_size=8, use_cpu=True))
+        return float(re.search(r"LoRA \(lora\.enabled: true\): ([0-9.]+) MiB", str(err.value)).group(1))
+
+    amx = fake_caps(**CPU_AMX, memory_bytes=1 << 30)
+    assert lora_figure(amx, "fp32") > lora_figure(amx, "bf16")
+    measured = fake_caps(**CPU_NO_BF16, memory_bytes=1 << 30, measured=fast_bf16)
+    assert lora_figure(measured, "auto") == lora_figure(amx, "bf16")
 
 
 def test_8b_at_8gb_not_even_qlora_fits(tmp_path, llama3_8b_bf16):

@@ -327,13 +327,14 @@ def _nothing_fits(trial: _Trial, budget: int, text: str, steps: list[FitStep]) -
 
 def _with_lora(trial: _Trial, changes: dict, qlora: bool) -> int:
     """Predicted bytes with LoRA/QLoRA adapters on every Linear of the blocks, micro-batch 1, ``changes`` applied
-    (the base loads in the compute dtype, as ``load_model`` loads a frozen base)."""
+    (the base loads in the plan's compute dtype, as ``load_model`` loads a frozen base: bf16 where the precision
+    feature chose it, by the CPU flag or by measurement, fp32 where it did not)."""
     ctx = trial.ctx
     cfg = trial.config(changes)
     setup = training_setup(trial.decisions(changes), trial.shape, ctx.caps, micro_batch=1, seq_len=trial.seq_len,
                            grad_accum=trial.effective, chunked=loss_would_chunk(ctx, cfg),
                            chunk_tokens=getattr(getattr(cfg, "loss", None), "chunk_tokens", 1024))
-    compute = 2 if (qlora or ctx.caps.bf16) else setup.compute_bytes
+    compute = 2 if qlora else setup.compute_bytes
     lora = LoraShape(rank=ctx.config.lora.r, targets="all-linear", dropout=ctx.config.lora.dropout, quantized=qlora,
                      expert_targets="all")
     setup = setup.replace(lora=lora, compute_bytes=compute, weight_bytes=compute, optimizer="adamw_fused")
