@@ -14,6 +14,7 @@ implementation: steady step (median after 2 warm-up steps) and losses.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -95,7 +96,8 @@ def main() -> None:
         models, opts, times, losses = {}, {}, {}, {}
         for k in ("eager", "grouped_mm"):
             torch.manual_seed(0)
-            m = T.AutoModelForCausalLM.from_config(cfg).to(a.device)
+            # a config of its own: from_config keeps the object, and set_experts_implementation writes into it
+            m = T.AutoModelForCausalLM.from_config(copy.deepcopy(cfg)).to(a.device)
             m.set_experts_implementation(k)
             m.train()
             models[k], opts[k], times[k], losses[k] = m, torch.optim.AdamW(m.parameters(), lr=1e-4), [], []
