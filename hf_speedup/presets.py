@@ -31,7 +31,8 @@ _PRESETS: dict[str, tuple[str, dict]] = {
     "fast": (
         "Maximum steps/s: auto plus regional compile of the decoder blocks on every device (max-autotune GEMMs), "
         "padding-free rows with a dynamic sequence dimension (or, where rows must be padded, static shapes padded "
-        "to 64 with the last partial batch of an epoch dropped), Liger kernels on CUDA, and on CPU freed memory "
+        "to 64 with the last partial batch of an epoch dropped; on CUDA padding-free rows compile in mode default), "
+        "Liger's fused loss on CUDA, and on CPU freed memory "
         "kept for reuse. Trade-off: a cold compile (tens of seconds on CPU); on CPU the first steps run eager and "
         "the blocks compile only when the rest of the run earns that back (compile.when: pays_back); on CPU "
         "resident memory stays at its peak. regions: blocks+head also compiles final norm + lm_head + loss (no "
