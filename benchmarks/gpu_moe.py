@@ -55,6 +55,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--output", default=None)
     a = p.parse_args()
+    if a.steps < 3:
+        p.error("--steps must be at least 3 (the steady step is the median after 2 warm-up steps)")
     import transformers as T
 
     from hf_speedup import measured, plan_for

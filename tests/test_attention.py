@@ -146,7 +146,12 @@ def test_liger_under_trls_sft_trainer_is_its_layer_kernels_only(tiny_model, monk
     assert d.applied == "rms_norm,rope,swiglu" and "TRL's SFTTrainer turns Liger's fused linear" in d.reason
     # compiled blocks: the layer kernels are all TRL would apply, and they break the blocks' compile
     d = plan(CUDA_H100, tiny_model, "fast", args)["liger"]
-    assert d.applied == "off" and d.reason.startswith("TRL's SFTTrainer applies only Liger's RMSNorm")
+    assert d.applied == "off" and d.reason.startswith("TRL's SFTTrainer applies only Liger's layer kernels")
+    # and a use_liger_kernel=True already in the SFTConfig (sft_config sets it, planned without a model) patches
+    # nothing: every kernel switched off
+    off = liger.training_args(d, args)
+    assert off.keys() == {"liger_kernel_config"} and not any(off["liger_kernel_config"].values())
+    assert {"rms_norm", "rope", "swiglu", "geglu", "fused_linear_cross_entropy"} <= off["liger_kernel_config"].keys()
 
 
 def test_liger_beside_compiled_blocks_is_its_fused_loss_only(tiny_model, make_args, monkeypatch):
@@ -158,13 +163,23 @@ def test_liger_beside_compiled_blocks_is_its_fused_loss_only(tiny_model, make_ar
     assert decisions["compile"].active
     d = decisions["liger"]
     assert d.applied == "fused_linear_cross_entropy" and "RMSNorm, RoPE and SwiGLU left out" in d.reason
+    # every layer kernel a model family has (Gemma's GEGLU, LayerNorm models' layer_norm) stays out of the blocks
     assert liger.training_args(d, make_args()) == {"use_liger_kernel": True, "liger_kernel_config": {
-        "rms_norm": False, "rope": False, "swiglu": False, "fused_linear_cross_entropy": True}}
-    # the user's own liger_kernel_config wins: the plan does not narrow it
+        "rms_norm": False, "rope": False, "swiglu": False, "geglu": False, "layer_norm": False, "relu_squared": False,
+        "fused_linear_cross_entropy": True}}
+    # the user's own liger_kernel_config wins: the plan does not narrow it, and reports what it leaves on
     mine = make_args(liger_kernel_config={"rope": True})
     d = plan(CUDA_H100, tiny_model, "fast", mine)["liger"]
     assert d.applied == "rms_norm,rope,swiglu,fused_linear_cross_entropy"
     assert liger.training_args(d, mine) == {"use_liger_kernel": True}
+    no_loss = make_args(liger_kernel_config={"fused_linear_cross_entropy": False, "swiglu": False})
+    d = plan(CUDA_H100, tiny_model, "fast", no_loss)
+    assert d["liger"].applied == "rms_norm,rope" and "liger_kernel_config=" in d["liger"].reason
+    chunked = plan(CUDA_H100, tiny_model, get_preset("fast").replace(loss={"chunked": True}), no_loss)
+    assert chunked["loss"].active  # no fused loss from Liger: the chunked loss is not kept out
+    nothing = make_args(liger_kernel_config={k: False for k in ("rms_norm", "rope", "swiglu",
+                                                                 "fused_linear_cross_entropy")})
+    assert plan(CUDA_H100, tiny_model, "fast", nothing)["liger"].applied == "off"
 
 
 def test_liger_verification_reads_the_live_model(tiny_model, monkeypatch):
@@ -236,12 +251,20 @@ def test_liger_verification_reads_what_the_real_liger_kernel_patches():
         from hf_speedup.features import liger
         from hf_speedup.tiny import tiny_llama
         model = tiny_llama()
-        apply_liger_kernel(model, None)
-        decision = SimpleNamespace(active=True, reason="")
+        import sys
+        loss_only = sys.argv[1] == "loss-only"  # beside compiled blocks: the config the plan sets
+        model = tiny_llama()
+        apply_liger_kernel(model, {k: False for k in liger.LAYER_KERNELS} if loss_only else None)
+        decision = SimpleNamespace(active=True, reason="", applied=liger.LOSS_KERNEL if loss_only else None)
         print(liger.verify(decision, SimpleNamespace(model=model, args=SimpleNamespace(use_liger_kernel=True)), None))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-    assert "(True, '13 Liger module(s) in the model, rotary Liger, loss fused linear cross-entropy')" in out
+
+    def verified(case: str) -> str:
+        return subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, check=True).stdout
+
+    assert "(True, '13 Liger module(s) in the model, rotary Liger, loss fused linear cross-entropy')" in verified("all")
+    assert "(True, '0 Liger module(s) in the model, rotary stock, loss fused linear cross-entropy')" in verified(
+        "loss-only")
 
 
 def test_the_memory_estimate_counts_no_full_logits_where_liger_computes_the_loss(tiny_model, monkeypatch):

@@ -207,15 +207,24 @@ def test_the_door_times_each_kernel_at_the_models_shapes_once(tmp_path, monkeypa
     assert d.settings.measured and "(cached)" in d.reason
 
 
-def test_the_door_times_in_the_dtype_the_plan_will_train_in():
-    """The precision feature's choice: bf16 autocast on a bf16 GPU or an AMX CPU, fp32 where bf16 does not pay
-    (found on an H200: the door built its context without ``args`` and timed every GPU in fp32)."""
+def test_the_door_times_in_the_dtype_the_plan_will_train_in(caplog):
+    """The precision feature's choice: bf16 autocast on a bf16 GPU, an AMX CPU or a CPU whose bf16 measured faster,
+    fp32 elsewhere (found on an H200: the door built its context without ``args`` and timed every GPU in fp32)."""
+    import logging
+
     from hf_speedup.features.experts.door import compute_dtype
+    from hf_speedup.features.precision.matmul_speed import KEY
 
     info = describe_model(build("qwen3_moe"))
-    for caps, dtype in ((CUDA_H100, torch.bfloat16), (CPU_AMX, torch.bfloat16), (CPU_NO_BF16, torch.float32)):
-        assert compute_dtype(get_preset("auto"), fake_caps(**caps), info) == dtype, caps["device_name"]
-    assert compute_dtype(get_preset("baseline"), fake_caps(**CUDA_H100), info) == torch.float32
+    bf16_pays = {KEY: Measurement(value=3.0, what="faked", where="test")}
+    cases = ((CUDA_H100, {}, torch.bfloat16), (CPU_AMX, {}, torch.bfloat16), (CPU_NO_BF16, bf16_pays, torch.bfloat16),
+             (CPU_NO_BF16, {}, torch.float32))
+    with caplog.at_level(logging.INFO, logger="hf_speedup"):
+        for caps, measured, dtype in cases:
+            got = compute_dtype(get_preset("auto"), fake_caps(**caps, measured=measured), info)
+            assert got == dtype, (caps["device_name"], measured)
+        assert compute_dtype(get_preset("baseline"), fake_caps(**CUDA_H100), info) == torch.float32
+    assert "precision undecided" not in caplog.text  # decided by the precision feature, not the fallback
 
 
 def test_sharded_experts_are_read_from_the_config_without_a_probe_forward():

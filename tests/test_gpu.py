@@ -58,14 +58,17 @@ def _liger_undone(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ compile + TF32
-def test_fast_compiles_every_block_with_no_fallback_under_tf32(tiny_model, dataset, collator, make_args):
+@pytest.mark.parametrize("mode", ["preset", "max-autotune"])
+def test_fast_compiles_every_block_with_no_fallback_under_tf32(tiny_model, dataset, collator, make_args, mode):
     """max-autotune autotunes every GEMM on CUDA, and inductor keys that with torch.get_float32_matmul_precision():
-    were TF32 set through torch's new API alone, that read raised and every block fell back to eager."""
+    were TF32 set through torch's new API alone, that read raised and every block fell back to eager. The preset as
+    it is compiles padding-free rows in mode default; max-autotune asked for keeps its GEMM autotuning."""
     from hf_speedup.features.compile import compile_stats
 
-    # max-autotune asked for (the preset alone compiles padding-free rows in mode default on CUDA)
-    cfg = get_preset("fast").replace(compile={"mode": "max-autotune"})
+    cfg = get_preset("fast") if mode == "preset" else get_preset("fast").replace(compile={"mode": mode})
     trainer = _trainer(cfg, tiny_model, dataset, collator, make_args, max_steps=6)
+    expected = "default" if mode == "preset" else "max-autotune-no-cudagraphs"
+    assert trainer.speedup_plan["compile"].settings.mode == expected
     trainer.train()
     blocks = len(find_blocks(unwrap_model(trainer.model)))
     stats = compile_stats(trainer.model)

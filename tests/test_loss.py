@@ -244,9 +244,15 @@ def test_set_by_the_memory_budget_says_so():
 
 
 def test_liger_feature_does_the_job_where_it_is_on():
-    liger = Decision("liger", "auto", "rms_norm,rope,swiglu,fused_linear_cross_entropy", "r")
+    from hf_speedup.features.liger import Settings as LigerSettings
+
+    liger = Decision("liger", "auto", "rms_norm,rope,swiglu,fused_linear_cross_entropy", "r",
+                     settings=LigerSettings(enabled=True, loss_by="liger"))
     d = loss_feature.decide(plan_ctx(CUDA_H100, liger=liger))
     assert not d.active and "Liger's fused linear cross-entropy (liger feature)" in d.reason and not d.fallbacks
+    # Liger on without its loss (a user's liger_kernel_config): the chunked loss does the job
+    layers_only = Decision("liger", "auto", "rms_norm,rope", "r", settings=LigerSettings(enabled=True))
+    assert loss_feature.decide(plan_ctx(CUDA_H100, liger=layers_only)).active
 
 
 @pytest.mark.parametrize("field, value, message", [

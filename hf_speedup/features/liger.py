@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..blocks import unwrap_model
 from ..compat import is_trl_sft_config
@@ -26,8 +26,13 @@ PACKAGE = "liger_kernel"
 logger = logging.getLogger("hf_speedup")
 
 
-LAYER_KERNELS = ("rms_norm", "rope", "swiglu")
+# the kernel switches of Liger's apply_liger_kernel_to_<model> functions (each takes the ones its model has; names it
+# does not take are dropped): the layer kernels run inside the decoder blocks, the fused loss at the head
+LAYER_KERNELS = ("rms_norm", "rope", "swiglu", "geglu", "layer_norm", "relu_squared")
 LOSS_KERNEL = "fused_linear_cross_entropy"
+LIGER_DEFAULTS = {"rms_norm": True, "rope": True, "swiglu": True, "geglu": True, "layer_norm": True,
+                  LOSS_KERNEL: True}  # what apply_liger_kernel_to_llama & co. switch on unless told otherwise
+REPORTED = ("rms_norm", "rope", "swiglu", LOSS_KERNEL)  # what ``applied`` names (Llama-style models)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,14 @@ class Settings:
     enabled: bool = False
     model_type: str | None = None
     kernel_config: tuple[tuple[str, bool], ...] = ()  # TrainingArguments.liger_kernel_config, where we set it
+    loss_by: str | None = None  # who computes the loss without the full logits: "liger" | "trl" (its fused head)
+
+
+def fused_loss_elsewhere(decision: Decision | None) -> bool:
+    """Liger's fused linear cross-entropy, or TRL's fused LM head (Liger on under TRL's SFTTrainer), computes the
+    loss: no full logits, and the chunked loss stays out. A user's liger_kernel_config may leave Liger on without
+    its loss: then neither."""
+    return decision is not None and decision.active and getattr(decision.settings, "loss_by", None) is not None
 
 
 def installed() -> bool:
@@ -75,16 +88,32 @@ def decide(ctx: PlanContext) -> Decision:
         reason = "TrainingArguments.use_liger_kernel=True already; "
     else:
         reason = ""
-    compiled = _blocks_compiled(ctx) and not getattr(ctx.args, "liger_kernel_config", None)
+    users = getattr(ctx.args, "liger_kernel_config", None)
+    compiled = _blocks_compiled(ctx) and not users
     if compiled and is_trl_sft_config(ctx.args):
-        return off("TRL's SFTTrainer applies only Liger's RMSNorm, RoPE and SwiGLU, and the blocks are compiled: "
-                   "inductor fuses those ops itself, and Liger's Triton autograd functions inside a compiled block "
-                   "fail dynamo's trace (every block would run eager): off")
+        why = ("TRL's SFTTrainer applies only Liger's layer kernels (RMSNorm, RoPE, SwiGLU), and the blocks are "
+               "compiled: inductor fuses those ops itself, and Liger's Triton autograd functions inside a compiled "
+               "block fail dynamo's trace (every block would run eager): off (liger_kernel_config switches every "
+               "kernel off, so a use_liger_kernel=True already in the SFTConfig patches nothing)")
+        decision = off(why)
+        everything_off = tuple((k, False) for k in (*LAYER_KERNELS, LOSS_KERNEL))
+        return replace(decision, settings=Settings(model_type=model_type, kernel_config=everything_off))
+    if users:  # the user's own liger_kernel_config: what it leaves on over Liger's defaults
+        merged = {**LIGER_DEFAULTS, **dict(users)}
+        if is_trl_sft_config(ctx.args):
+            merged[LOSS_KERNEL] = False  # TRL's SFTTrainer turns it off (its own fused LM head)
+        on = [k for k in REPORTED if merged.get(k)]
+        if not on:
+            return off(f"TrainingArguments.liger_kernel_config={dict(users)!r} switches every kernel off: off")
+        reason += f"Liger kernels as TrainingArguments.liger_kernel_config={dict(users)!r} leaves them: {', '.join(on)}"
+        loss_by = "trl" if is_trl_sft_config(ctx.args) else ("liger" if merged[LOSS_KERNEL] else None)
+        return Decision(NAME, requested=asked, applied=",".join(on), reason=reason,
+                        settings=Settings(enabled=True, model_type=model_type, loss_by=loss_by))
     if is_trl_sft_config(ctx.args):  # its trainer applies Liger's layer kernels only
         reason += ("Liger RMSNorm, RoPE and SwiGLU via SFTConfig.use_liger_kernel; TRL's SFTTrainer turns Liger's "
                    "fused linear cross-entropy off, its own fused LM head computes the loss without the full "
                    "logits (TRL 1.16 marks use_liger_kernel deprecated, for Hub kernels)")
-        applied = "rms_norm,rope,swiglu"
+        applied, loss_by = "rms_norm,rope,swiglu", "trl"
     elif compiled:
         reason += ("Liger's fused linear cross-entropy only (the full logits are never stored), via "
                    "TrainingArguments.use_liger_kernel with liger_kernel_config; its RMSNorm, RoPE and SwiGLU left "
@@ -92,13 +121,13 @@ def decide(ctx: PlanContext) -> Decision:
                    "functions inside a compiled block fail dynamo's trace (every block would run eager)")
         config = tuple((k, False) for k in LAYER_KERNELS) + ((LOSS_KERNEL, True),)
         return Decision(NAME, requested=asked, applied=LOSS_KERNEL, reason=reason,
-                        settings=Settings(enabled=True, model_type=model_type, kernel_config=config))
+                        settings=Settings(enabled=True, model_type=model_type, kernel_config=config, loss_by="liger"))
     else:
         reason += ("Liger RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (the full logits are never stored) via "
                    "TrainingArguments.use_liger_kernel; transformers patches the model when train() starts")
-        applied = "rms_norm,rope,swiglu,fused_linear_cross_entropy"
+        applied, loss_by = "rms_norm,rope,swiglu,fused_linear_cross_entropy", "liger"
     return Decision(NAME, requested=asked, applied=applied, reason=reason,
-                    settings=Settings(enabled=True, model_type=model_type))
+                    settings=Settings(enabled=True, model_type=model_type, loss_by=loss_by))
 
 
 def _blocks_compiled(ctx: PlanContext) -> bool:
@@ -108,10 +137,9 @@ def _blocks_compiled(ctx: PlanContext) -> bool:
 
 
 def training_args(decision: Decision, args) -> dict:
-    if not decision.active:
-        return {}
     kernels = getattr(decision.settings, "kernel_config", ())
-    return {"use_liger_kernel": True, **({"liger_kernel_config": dict(kernels)} if kernels else {})}
+    out = {"liger_kernel_config": dict(kernels)} if kernels else {}
+    return {"use_liger_kernel": True, **out} if decision.active else out
 
 
 def apply(decision: Decision, setup, outcome: Outcome) -> None:
@@ -156,6 +184,9 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return False, "args.use_liger_kernel=True; not patched yet (transformers applies Liger when train() starts)"
     text = (f"{parts['modules']} Liger module(s) in the model, rotary {'Liger' if parts['rope'] else 'stock'}, "
             f"loss {'fused linear cross-entropy' if parts['fused_loss'] else 'stock'}")
-    if decision.applied == LOSS_KERNEL:  # layer kernels left out on purpose (compiled blocks)
-        return parts["fused_loss"] and not parts["modules"], text
-    return parts["modules"] > 0, text
+    planned = (getattr(decision, "applied", None) or ",".join(REPORTED)).split(",")
+    layers, loss = any(k in planned for k in LAYER_KERNELS), LOSS_KERNEL in planned
+    if layers:
+        return parts["modules"] > 0, text
+    # layer kernels left out on purpose (compiled blocks, the user's config) must not be there either
+    return parts["modules"] == 0 and (parts["fused_loss"] or not loss), text

@@ -81,8 +81,8 @@ def decide(ctx: PlanContext) -> Decision:
         settings = replace(settings, dynamic=True)  # one graph for every row length (see _on_reason)
     if caps.is_cuda and settings.dynamic is True and settings.mode == "max-autotune":
         # see _on_reason: a preset's max-autotune becomes default, the user's own keeps its GEMM autotuning
-        explicit = "compile.mode" in ctx.config.explicit_fields()
-        settings = replace(settings, mode=NO_CUDAGRAPHS if explicit else "default")
+        users_mode = "compile.mode" in ctx.config.explicit_fields()
+        settings = replace(settings, mode=NO_CUDAGRAPHS if users_mode else "default")
     autotune = _autotunes_cpu_gemms(cfg, caps) and settings.dynamic is not True
     settings = replace(settings, cpu_gemm="autotune" if autotune else "default")
     return Decision(NAME, requested=requested, applied=f"{cfg.regions}:{cfg.backend}",

@@ -37,6 +37,7 @@ import torch
 from ...blocks import unwrap_model
 from ...model_parts import HEAD_NAMES
 from ...plan_types import OFF, Decision, Outcome, PlanContext
+from ..liger import fused_loss_elsewhere
 from ..probe import eager_train_mode, steps_trained
 from .chunked_cross_entropy import IGNORE_INDEX, install, installed_state, uninstall, unsupported_reason
 
@@ -65,7 +66,7 @@ def decide(ctx: PlanContext) -> Decision:
                         reason="auto: off; memory.budget turns it on when the estimate needs it to fit; set "
                                "loss.chunked: true to force it")
     liger = ctx.decisions.get("liger")
-    if liger is not None and liger.active:
+    if fused_loss_elsewhere(liger):
         who = ("Liger's fused linear cross-entropy (liger feature)" if "fused_linear_cross_entropy" in liger.applied
                else "TRL's fused LM head (Liger's layer kernels on, its loss off under TRL)")
         return Decision(NAME, requested, OFF, settings=Settings(),

@@ -34,6 +34,7 @@ from ...plan_types import Decision, PlanContext
 from .. import checkpointing, optimizer
 from ..deepspeed import engine, zero_sharding, zero_stage
 from ..checkpointing import selected_blocks
+from ..liger import fused_loss_elsewhere
 
 logger = logging.getLogger("hf_speedup")
 
@@ -74,8 +75,7 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
         chunked = bool(loss is not None and loss.active and getattr(loss.settings, "chunked", False))
         if chunked:
             chunk_tokens = getattr(loss.settings, "chunk_tokens", None) or chunk_tokens
-        liger = decisions.get("liger")
-        if not chunked and liger is not None and liger.active:  # fused linear cross-entropy: no full logits either
+        if not chunked and fused_loss_elsewhere(decisions.get("liger")):  # no full logits either
             chunked = True  # modelled as the chunked loss with its default chunk
     attn = _settings(decisions, "attention")
     experts = decisions.get("experts")  # the kernel planned, else the model's own (keep)
@@ -89,8 +89,10 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
     elif (zero := zero_sharding(_settings(decisions, "deepspeed"), caps.world_size)) is not None:
         fsdp = zero
     comp = decisions.get("compile")
+    # from the first step, partitioned by AOT autograd, without CUDA graphs (their static buffers and pools differ)
     compiled = bool(comp is not None and comp.active and getattr(comp.settings, "when", "always") == "always"
-                    and getattr(comp.settings, "backend", "inductor") not in ("eager", "cudagraphs"))
+                    and getattr(comp.settings, "backend", "inductor") not in ("eager", "cudagraphs")
+                    and getattr(comp.settings, "mode", None) in (None, "default", "max-autotune-no-cudagraphs"))
     return TrainingSetup(
         compiled=compiled, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, weight_bytes=wb, compute_bytes=compute,
         lora=lora, checkpointed=blocks, optimizer=kind, chunked_loss=chunked, chunk_tokens=chunk_tokens,
