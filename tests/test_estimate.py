@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from hf_speedup import estimate_memory
+from hf_speedup import estimate_memory, get_preset
 from hf_speedup.config import SpeedupConfigError
 from hf_speedup.memory_model import LoraShape, TrainingSetup, estimate
 from hf_speedup.model_shape import ModelShape, model_shape
@@ -464,3 +464,24 @@ def test_fsdp_shards_weights_gradients_and_states_by_world_size_and_offload_move
         assert offloaded.sizes[item] == 0, item  # CPU offload: on the host, not in GPU memory
     assert offloaded.total_bytes < sharded.total_bytes < full.total_bytes
     assert any("FSDP full_shard over 8 ranks" in n for n in sharded.notes)
+
+
+def test_the_reports_estimate_counts_eager_activations_once_compiled_blocks_fell_back(tiny_model):
+    """A block whose compile failed runs eager (the fallback is reported): the report's estimate models it so,
+    not with the compiled partition's fewer activations."""
+    from types import SimpleNamespace
+
+    from hf_speedup import plan_for
+    from hf_speedup.report.measure.memory_watch import blocks_fell_back, estimated_peak
+
+    plan = plan_for(get_preset("auto"), fake_caps(**CUDA_H100), tiny_model)
+    assert plan["compile"].active and plan["compile"].settings.when == "always"
+    compiled = estimated_peak(plan, 4, 256)
+    eager = estimated_peak(plan, 4, 256, eager_blocks=True)
+    assert eager["breakdown"]["activations"] > compiled["breakdown"]["activations"]
+    assert not blocks_fell_back(tiny_model)
+    tiny_model.model.layers[1]._compiled_call_impl = SimpleNamespace(fallback_reason="AssertionError: from user code")
+    assert blocks_fell_back(tiny_model)
+    tiny_model.model.layers[1]._compiled_call_impl = SimpleNamespace(fallback_reason=None)  # compiled, running
+    assert not blocks_fell_back(tiny_model)
+    tiny_model.model.layers[1]._compiled_call_impl = None

@@ -149,16 +149,25 @@ class NoHook:
         pass
 
 
-def estimated_peak(plan: Any, micro_batch: int, seq_len: int, grad_accum: int = 1, padded: bool = False) -> dict | None:
-    """:mod:`hf_speedup.memory_model`'s peak for this plan and a batch shape (None where the model is not sized)."""
+def blocks_fell_back(model: Any) -> bool:
+    """A compiled region of ``model`` runs eager after a failed compile (its activations are eager's then)."""
+    modules = model.modules() if hasattr(model, "modules") else ()
+    return any(getattr(getattr(m, "_compiled_call_impl", None), "fallback_reason", None) for m in modules)
+
+
+def estimated_peak(plan: Any, micro_batch: int, seq_len: int, grad_accum: int = 1, padded: bool = False,
+                   eager_blocks: bool = False) -> dict | None:
+    """:mod:`hf_speedup.memory_model`'s peak for this plan and a batch shape (None where the model is not sized);
+    ``eager_blocks``: planned compiled blocks that fell back to eager are estimated as eager."""
     from ...features.memory.budget import training_setup
     from ...memory_model import estimate
 
     shape = getattr(plan.model, "shape", None)
     if shape is None or not micro_batch or not seq_len:
         return None
-    est = estimate(shape, training_setup(plan.decisions, shape, plan.caps, micro_batch=micro_batch, seq_len=seq_len,
-                                         grad_accum=grad_accum, padded=padded))
+    setup = training_setup(plan.decisions, shape, plan.caps, micro_batch=micro_batch, seq_len=seq_len,
+                           grad_accum=grad_accum, padded=padded)
+    est = estimate(shape, setup.replace(compiled=False) if eager_blocks else setup)
     return {"bytes": est.total_bytes, "peak_tensor_bytes": est.peak_tensor_bytes, "peak_phase": est.peak_phase,
             "breakdown": est.breakdown, "micro_batch": micro_batch, "seq_len": seq_len, "padded": padded}
 
@@ -215,7 +224,8 @@ class MemoryWatch:
     def summary(self, tokens: int, grad_accum: int, device_type: str) -> tuple[int | None, dict]:
         """(estimated peak bytes, measurement entries)."""
         padded = bool(self.slots) and tokens < self.slots
-        est = estimated_peak(self.trainer.speedup_plan, self.rows, self.seq, grad_accum, padded)
+        est = estimated_peak(self.trainer.speedup_plan, self.rows, self.seq, grad_accum, padded,
+                             eager_blocks=blocks_fell_back(self.trainer.model))
         live = self.live.result or ({"reason": self.reason} if self.reason else None)
         return (est["bytes"] if est else None), {
             "live_tensor_peak": live, "memory_estimate": est,
