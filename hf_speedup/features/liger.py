@@ -2,8 +2,9 @@
 ``TrainingArguments.use_liger_kernel``: the Trainer patches the model when ``train()`` starts.
 
 ``auto`` (fast and memory presets) turns them on where they run: a CUDA device, ``liger-kernel`` installed
-and a model type Liger knows. On CPU they are off with that reason (Triton kernels need a GPU). Where the blocks are compiled (the
-compile feature decides first), only the fused linear cross-entropy is applied (``liger_kernel_config``):
+and a model type Liger knows. On CPU they are off with that reason (Triton kernels need a GPU). Where the
+blocks are compiled (the compile feature decides first), only the fused linear cross-entropy is applied
+(``liger_kernel_config``):
 inductor fuses RMSNorm, RoPE and SwiGLU itself, and Liger's Triton autograd functions inside a compiled block
 fail dynamo's trace (torch 2.11, liger-kernel 0.8.5 on an H200: every block fell back to eager). Verified on
 the live model once training has started: Liger's module classes in the blocks, its rotary function in the

@@ -94,8 +94,9 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
                     and getattr(comp.settings, "backend", "inductor") not in ("eager", "cudagraphs")
                     and getattr(comp.settings, "mode", None) in (None, "default", "max-autotune-no-cudagraphs"))
     return TrainingSetup(
-        compiled=compiled, micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, weight_bytes=wb, compute_bytes=compute,
-        lora=lora, checkpointed=blocks, optimizer=kind, chunked_loss=chunked, chunk_tokens=chunk_tokens,
+        micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, weight_bytes=wb, compute_bytes=compute,
+        compiled=compiled, lora=lora, checkpointed=blocks, optimizer=kind, chunked_loss=chunked,
+        chunk_tokens=chunk_tokens,
         attention=getattr(attn, "implementation", None) or shape.attention, experts=kernel or "eager",
         padded=padded and not getattr(data, "padding_free", False),
         use_cache=shape.use_cache and not blocks, device=caps.device_type, **fsdp)
