@@ -162,11 +162,12 @@ def test_liger_beside_compiled_blocks_is_its_fused_loss_only(tiny_model, make_ar
     decisions = plan(CUDA_H100, tiny_model, "fast")
     assert decisions["compile"].active
     d = decisions["liger"]
-    assert d.applied == "fused_linear_cross_entropy" and "RMSNorm, RoPE and SwiGLU left out" in d.reason
-    # every layer kernel a model family has (Gemma's GEGLU, LayerNorm models' layer_norm) stays out of the blocks
+    assert d.applied == "fused_linear_cross_entropy" and "layer kernels (rms_norm, rope, swiglu) left out" in d.reason
+    # every layer kernel a model family has (Gemma's GEGLU, LayerNorm models' layer_norm) stays out of the blocks;
+    # the loss kernels keep the model's own defaults (Granite's plain cross-entropy may not be on with the fused one)
     assert liger.training_args(d, make_args()) == {"use_liger_kernel": True, "liger_kernel_config": {
-        "rms_norm": False, "rope": False, "swiglu": False, "geglu": False, "layer_norm": False, "relu_squared": False,
-        "fused_linear_cross_entropy": True}}
+        "rms_norm": False, "rope": False, "swiglu": False, "geglu": False, "layer_norm": False, "relu_squared": False}}
+
     # the user's own liger_kernel_config wins: the plan does not narrow it, and reports what it leaves on
     mine = make_args(liger_kernel_config={"rope": True})
     d = plan(CUDA_H100, tiny_model, "fast", mine)["liger"]
@@ -180,6 +181,74 @@ def test_liger_beside_compiled_blocks_is_its_fused_loss_only(tiny_model, make_ar
     nothing = make_args(liger_kernel_config={k: False for k in ("rms_norm", "rope", "swiglu",
                                                                  "fused_linear_cross_entropy")})
     assert plan(CUDA_H100, tiny_model, "fast", nothing)["liger"].applied == "off"
+
+
+def _liger_apply_functions():
+    """Signatures of liger-kernel 0.8.5's apply functions for four families (what transformers filters
+    liger_kernel_config by, and where each family's defaults live)."""
+    def gemma(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, geglu=True, model=None):
+        pass
+
+    def granite(rope=True, cross_entropy=True, fused_linear_cross_entropy=False, rms_norm=True, swiglu=True,
+                model=None):
+        pass
+
+    def nemotron(relu_squared=True, cross_entropy=False, fused_linear_cross_entropy=True, model=None):
+        pass
+
+    def deepseek_v3(rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True,
+                    model=None):
+        pass
+
+    return {"gemma": gemma, "granite": granite, "nemotron": nemotron, "deepseek_v3": deepseek_v3}
+
+
+@pytest.mark.parametrize("model_type, eager, compiled", [
+    ("gemma", "rms_norm,rope,geglu,fused_linear_cross_entropy", "fused_linear_cross_entropy"),
+    ("granite", "rms_norm,rope,swiglu,cross_entropy", "cross_entropy"),
+    ("nemotron", "relu_squared,fused_linear_cross_entropy", "fused_linear_cross_entropy"),
+    ("deepseek_v3", "rms_norm,swiglu,fused_linear_cross_entropy", "fused_linear_cross_entropy"),
+])
+def test_liger_kernels_are_the_model_familys_own(model_type, eager, compiled, tiny_model, make_args, monkeypatch):
+    """What Liger patches differs by family; the plan reads it from Liger's apply function, so the report names
+    Gemma's GEGLU (it named SwiGLU), and beside compiled blocks Granite keeps its plain cross-entropy (forcing the
+    fused one on would trip Liger's "cannot both be True" assertion when train() starts)."""
+    from dataclasses import replace
+
+    from hf_speedup.model_info import describe_model
+
+    monkeypatch.setattr(liger, "installed", lambda: True)
+    monkeypatch.setattr(liger, "apply_functions", _liger_apply_functions)
+    info = replace(describe_model(tiny_model), model_type=model_type)
+    eager_plan = plan(CUDA_H100, info, get_preset("fast").replace(compile={"enabled": False}), make_args())
+    assert eager_plan["liger"].applied == eager
+    d = plan(CUDA_H100, info, "fast", make_args())["liger"]
+    assert d.applied == compiled
+    config = liger.training_args(d, make_args())["liger_kernel_config"]
+    assert not any(config.values()) and "fused_linear_cross_entropy" not in config
+    assert liger.fused_loss_elsewhere(d) is (compiled == "fused_linear_cross_entropy")
+    # the user's own config is read against the family's switches: only GEGLU left on is still Liger on
+    if model_type == "gemma":
+        only_geglu = make_args(liger_kernel_config={"rms_norm": False, "rope": False,
+                                                    "fused_linear_cross_entropy": False})
+        mine = plan(CUDA_H100, info, "fast", only_geglu)["liger"]
+        assert mine.applied == "geglu" and not liger.fused_loss_elsewhere(mine)
+
+
+def test_liger_cross_entropy_alone_is_verified_in_torch(tiny_model, monkeypatch):
+    """Granite beside compiled blocks: Liger's plain cross-entropy replaces torch.nn.functional.cross_entropy and
+    nothing else; the verification looks there."""
+    from types import SimpleNamespace
+
+    import torch
+
+    decision = SimpleNamespace(active=True, reason="", applied="cross_entropy")
+    trainer = SimpleNamespace(model=tiny_model, args=SimpleNamespace(use_liger_kernel=True))
+    assert liger.verify(decision, trainer, None)[0] is False
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", _function_from("liger_kernel.transformers.functional",
+                                                                              "liger_cross_entropy"))
+    assert liger.verify(decision, trainer, None) == (True, "0 Liger module(s) in the model, rotary stock, loss Liger "
+                                                           "cross-entropy")
 
 
 def test_liger_verification_reads_the_live_model(tiny_model, monkeypatch):

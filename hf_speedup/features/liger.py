@@ -1,19 +1,21 @@
-"""Liger kernels (Triton: RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) through transformers' own switch,
-``TrainingArguments.use_liger_kernel``: the Trainer patches the model when ``train()`` starts.
+"""Liger kernels (Triton: RMSNorm, RoPE, SwiGLU/GEGLU, fused linear cross-entropy) through transformers' own
+switch, ``TrainingArguments.use_liger_kernel``: the Trainer patches the model when ``train()`` starts.
 
 ``auto`` (fast and memory presets) turns them on where they run: a CUDA device, ``liger-kernel`` installed
-and a model type Liger knows. On CPU they are off with that reason (Triton kernels need a GPU). Where the
-blocks are compiled (the compile feature decides first), only the fused linear cross-entropy is applied
-(``liger_kernel_config``):
-inductor fuses RMSNorm, RoPE and SwiGLU itself, and Liger's Triton autograd functions inside a compiled block
-fail dynamo's trace (torch 2.11, liger-kernel 0.8.5 on an H200: every block fell back to eager). Verified on
-the live model once training has started: Liger's module classes in the blocks, its rotary function in the
-modeling module, its fused-loss forward on the model.
+and a model type Liger knows. On CPU they are off with that reason (Triton kernels need a GPU). Which kernels a
+model family gets, and which are on by default, is read from Liger's own ``apply_liger_kernel_to_<type>``
+signature (:func:`kernel_switches`). Where the blocks are compiled (the compile feature decides first), only
+Liger's loss kernels are applied (``liger_kernel_config`` switches the layer kernels off): inductor fuses norms,
+rotary and gated MLPs itself, and Liger's Triton autograd functions inside a compiled block fail dynamo's trace
+(torch 2.11, liger-kernel 0.8.5 on an H200: every block fell back to eager). Verified on the live model once
+training has started: Liger's module classes in the blocks, its rotary function in the modeling module, its
+fused-loss forward on the model, its cross-entropy in torch.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import sys
 from dataclasses import dataclass, replace
@@ -27,13 +29,12 @@ PACKAGE = "liger_kernel"
 logger = logging.getLogger("hf_speedup")
 
 
-# the kernel switches of Liger's apply_liger_kernel_to_<model> functions (each takes the ones its model has; names it
-# does not take are dropped): the layer kernels run inside the decoder blocks, the fused loss at the head
+# the kernel switches of Liger's apply_liger_kernel_to_<model> functions (each takes the ones its model has; transformers
+# drops the names it does not take): the layer kernels run inside the decoder blocks, the loss kernels at the head
 LAYER_KERNELS = ("rms_norm", "rope", "swiglu", "geglu", "layer_norm", "relu_squared")
 LOSS_KERNEL = "fused_linear_cross_entropy"
-LIGER_DEFAULTS = {"rms_norm": True, "rope": True, "swiglu": True, "geglu": True, "layer_norm": True,
-                  LOSS_KERNEL: True}  # what apply_liger_kernel_to_llama & co. switch on unless told otherwise
-REPORTED = ("rms_norm", "rope", "swiglu", LOSS_KERNEL)  # what ``applied`` names (Llama-style models)
+LOSS_KERNELS = (LOSS_KERNEL, "cross_entropy")  # cross_entropy still computes the full logits
+LLAMA_SWITCHES = {"rope": True, "cross_entropy": False, LOSS_KERNEL: True, "rms_norm": True, "swiglu": True}
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,35 @@ def installed() -> bool:
     return importlib.util.find_spec(PACKAGE) is not None
 
 
-def supported_model_types() -> frozenset[str] | None:
-    """Model types Liger can patch (None where liger-kernel cannot tell, e.g. it does not import)."""
+def apply_functions() -> dict | None:
+    """Liger's apply function per model type (None where liger-kernel does not import; tests fake it)."""
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except Exception:  # not installed, or no GPU stack to import it with
         return None
-    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+    return dict(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def supported_model_types() -> frozenset[str] | None:
+    """Model types Liger can patch (None where liger-kernel cannot tell, e.g. it does not import)."""
+    functions = apply_functions()
+    return None if functions is None else frozenset(functions)
+
+
+def kernel_switches(model_type: str | None) -> dict[str, bool]:
+    """The kernels Liger patches for this model type and which are on unless told otherwise, from its
+    ``apply_liger_kernel_to_<type>`` signature: families differ (Gemma's GEGLU, Nemotron's squared ReLU, Granite's
+    plain cross-entropy instead of the fused one, DeepSeek's stock RoPE). Llama's where liger-kernel cannot tell."""
+    function = (apply_functions() or {}).get(model_type)
+    if function is None:
+        return dict(LLAMA_SWITCHES)
+    parameters = inspect.signature(function).parameters
+    return {n: p.default for n, p in parameters.items() if isinstance(p.default, bool) and n in (*LAYER_KERNELS,
+                                                                                                   *LOSS_KERNELS)}
+
+
+def _on(switches: dict[str, bool], names=(*LAYER_KERNELS, *LOSS_KERNELS)) -> list[str]:
+    return [k for k in names if switches.get(k)]
 
 
 def decide(ctx: PlanContext) -> Decision:
@@ -91,42 +114,54 @@ def decide(ctx: PlanContext) -> Decision:
         reason = ""
     users = getattr(ctx.args, "liger_kernel_config", None)
     compiled = _blocks_compiled(ctx) and not users
-    if compiled and is_trl_sft_config(ctx.args):
-        why = ("TRL's SFTTrainer applies only Liger's layer kernels (RMSNorm, RoPE, SwiGLU), and the blocks are "
-               "compiled: inductor fuses those ops itself, and Liger's Triton autograd functions inside a compiled "
-               "block fail dynamo's trace (every block would run eager): off (liger_kernel_config switches every "
-               "kernel off, so a use_liger_kernel=True already in the SFTConfig patches nothing)")
+    trl = is_trl_sft_config(ctx.args)
+    switches = kernel_switches(model_type)
+    layers_off = tuple((k, False) for k in LAYER_KERNELS)
+    if trl and LOSS_KERNEL in switches:  # its trainer turns the fused loss off: its own fused LM head computes it
+        switches[LOSS_KERNEL] = False
+    if compiled and not _on(switches, LOSS_KERNELS):
+        why = ("TRL's SFTTrainer applies only Liger's layer kernels" if trl else
+               f"Liger's kernels for {model_type!r} are its layer kernels only")
+        why += (f" ({', '.join(_on(switches))}), and the blocks are compiled: inductor fuses those ops itself, and Liger's "
+                "Triton autograd functions inside a compiled block fail dynamo's trace (every block would run eager): "
+                "off (liger_kernel_config switches every kernel off, so a use_liger_kernel=True already in the "
+                f"{'SFTConfig' if trl else 'TrainingArguments'} patches nothing)")
         decision = off(why)
-        everything_off = tuple((k, False) for k in (*LAYER_KERNELS, LOSS_KERNEL))
+        everything_off = layers_off + tuple((k, False) for k in LOSS_KERNELS)
         return replace(decision, settings=Settings(model_type=model_type, kernel_config=everything_off))
-    if users:  # the user's own liger_kernel_config: what it leaves on over Liger's defaults
-        merged = {**LIGER_DEFAULTS, **dict(users)}
-        if is_trl_sft_config(ctx.args):
-            merged[LOSS_KERNEL] = False  # TRL's SFTTrainer turns it off (its own fused LM head)
-        on = [k for k in REPORTED if merged.get(k)]
+    if users:  # the user's own liger_kernel_config: what it leaves on over this model's defaults
+        merged = {**switches, **{k: v for k, v in dict(users).items() if k in switches and not (trl and k ==
+                                                                                                 LOSS_KERNEL)}}
+        on = _on(merged)
         if not on:
-            return off(f"TrainingArguments.liger_kernel_config={dict(users)!r} switches every kernel off: off")
+            return off(f"TrainingArguments.liger_kernel_config={dict(users)!r} switches every kernel {model_type!r} "
+                       "has off: off")
         reason += f"Liger kernels as TrainingArguments.liger_kernel_config={dict(users)!r} leaves them: {', '.join(on)}"
-        loss_by = "trl" if is_trl_sft_config(ctx.args) else ("liger" if merged[LOSS_KERNEL] else None)
+        loss_by = "trl" if trl else ("liger" if merged.get(LOSS_KERNEL) else None)
         return Decision(NAME, requested=asked, applied=",".join(on), reason=reason,
                         settings=Settings(enabled=True, model_type=model_type, loss_by=loss_by))
-    if is_trl_sft_config(ctx.args):  # its trainer applies Liger's layer kernels only
-        reason += ("Liger RMSNorm, RoPE and SwiGLU via SFTConfig.use_liger_kernel; TRL's SFTTrainer turns Liger's "
-                   "fused linear cross-entropy off, its own fused LM head computes the loss without the full "
-                   "logits (TRL 1.16 marks use_liger_kernel deprecated, for Hub kernels)")
-        applied, loss_by = "rms_norm,rope,swiglu", "trl"
+    if trl:
+        reason += (f"Liger's layer kernels ({', '.join(_on(switches))}) via SFTConfig.use_liger_kernel; TRL's "
+                   "SFTTrainer turns Liger's fused linear cross-entropy off, its own fused LM head computes the loss "
+                   "without the full logits (TRL 1.16 marks use_liger_kernel deprecated, for Hub kernels)")
+        applied, loss_by = ",".join(_on(switches)), "trl"
     elif compiled:
-        reason += ("Liger's fused linear cross-entropy only (the full logits are never stored), via "
-                   "TrainingArguments.use_liger_kernel with liger_kernel_config; its RMSNorm, RoPE and SwiGLU left "
-                   "out: the blocks are compiled, inductor fuses those ops itself, and Liger's Triton autograd "
-                   "functions inside a compiled block fail dynamo's trace (every block would run eager)")
-        config = tuple((k, False) for k in LAYER_KERNELS) + ((LOSS_KERNEL, True),)
-        return Decision(NAME, requested=asked, applied=LOSS_KERNEL, reason=reason,
-                        settings=Settings(enabled=True, model_type=model_type, kernel_config=config, loss_by="liger"))
+        loss = _on(switches, LOSS_KERNELS)
+        left = _on(switches, LAYER_KERNELS)
+        reason += (f"Liger's {' and '.join(loss)} only"
+                   f"{' (the full logits are never stored)' if LOSS_KERNEL in loss else ''}, via "
+                   "TrainingArguments.use_liger_kernel with liger_kernel_config; its layer kernels "
+                   f"({', '.join(left) or 'none'}) left out: the blocks are compiled, inductor fuses those ops itself, "
+                   "and Liger's Triton autograd functions inside a compiled block fail dynamo's trace (every block "
+                   "would run eager)")
+        return Decision(NAME, requested=asked, applied=",".join(loss), reason=reason,
+                        settings=Settings(enabled=True, model_type=model_type, kernel_config=layers_off,
+                                          loss_by="liger" if LOSS_KERNEL in loss else None))
     else:
-        reason += ("Liger RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (the full logits are never stored) via "
+        on = _on(switches)
+        reason += (f"Liger's {', '.join(on)}{' (the full logits are never stored)' if LOSS_KERNEL in on else ''} via "
                    "TrainingArguments.use_liger_kernel; transformers patches the model when train() starts")
-        applied, loss_by = "rms_norm,rope,swiglu,fused_linear_cross_entropy", "liger"
+        applied, loss_by = ",".join(on), ("liger" if LOSS_KERNEL in on else None)
     return Decision(NAME, requested=asked, applied=applied, reason=reason,
                     settings=Settings(enabled=True, model_type=model_type, loss_by=loss_by))
 
@@ -171,8 +206,11 @@ def liger_parts(model) -> dict[str, int | bool]:
     base = unwrap_model(model)
     modules = sum(1 for m in base.modules() if m is not base and _patched_by_liger(m))
     modeling = sys.modules.get(type(base).__module__)
+    import torch
+
     return {"modules": modules, "rope": _from_liger(getattr(modeling, "apply_rotary_pos_emb", None)),
-            "fused_loss": _from_liger(getattr(base, "forward", None))}
+            "fused_loss": _from_liger(getattr(base, "forward", None)),
+            "cross_entropy": _from_liger(torch.nn.functional.cross_entropy)}  # Liger patches torch's own
 
 
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
@@ -183,11 +221,14 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     parts = liger_parts(trainer.model)
     if not any(parts.values()):
         return False, "args.use_liger_kernel=True; not patched yet (transformers applies Liger when train() starts)"
-    text = (f"{parts['modules']} Liger module(s) in the model, rotary {'Liger' if parts['rope'] else 'stock'}, "
-            f"loss {'fused linear cross-entropy' if parts['fused_loss'] else 'stock'}")
-    planned = (getattr(decision, "applied", None) or ",".join(REPORTED)).split(",")
-    layers, loss = any(k in planned for k in LAYER_KERNELS), LOSS_KERNEL in planned
+    loss_text = ("fused linear cross-entropy" if parts["fused_loss"] else
+                 "Liger cross-entropy" if parts["cross_entropy"] else "stock")
+    text = f"{parts['modules']} Liger module(s) in the model, rotary {'Liger' if parts['rope'] else 'stock'}, loss {loss_text}"
+    planned = (getattr(decision, "applied", None) or ",".join(_on(LLAMA_SWITCHES))).split(",")
+    layers = [k for k in planned if k in LAYER_KERNELS]
     if layers:
-        return parts["modules"] > 0, text
+        return parts["modules"] > 0 or (layers == ["rope"] and parts["rope"]), text
     # layer kernels left out on purpose (compiled blocks, the user's config) must not be there either
-    return parts["modules"] == 0 and (parts["fused_loss"] or not loss), text
+    loss_seen = all(parts[key] for kernel, key in ((LOSS_KERNEL, "fused_loss"), ("cross_entropy", "cross_entropy"))
+                    if kernel in planned)
+    return parts["modules"] == 0 and loss_seen, text
