@@ -138,6 +138,38 @@ def test_sdpa_varlen_gradients_equal_the_masked_kernel():
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
+
+def test_sdpa_varlen_takes_grouped_keys_as_they_are_and_keeps_only_them_for_backward():
+    """Grouped-query attention (SmolLM2: 9 query heads on 3 key/value heads): torch's CPU kernel reads the shared
+    heads itself, so the keys and values are not repeated per query head; the op keeps the un-repeated ones for
+    backward (the memory model counts kv width), with gradients equal to the masked kernel's. Inputs in the
+    layout the models pass them: (B, H, T, D) views of (B, T, H, D) projections."""
+    from types import SimpleNamespace
+
+    from hf_speedup.features.attention import sdpa_varlen
+
+    if not sdpa_varlen.native_gqa():
+        pytest.skip("this torch's CPU flash kernel wants equal head counts (keys are repeated)")
+    torch.manual_seed(0)
+    lengths = [7, 30, 2, 45]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    t = sum(lengths)
+    q = torch.randn(1, t, 4, 16).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(1, t, 2, 16).transpose(1, 2).requires_grad_() for _ in range(2))
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
+        out, _ = sdpa_varlen.attention_forward(module, q, k, v, None, scaling=0.25, position_ids=pos)
+    assert (1, 4, t, 16) not in saved[1:3] and saved[1:3] == [(1, 2, t, 16), (1, 2, t, 16)], saved
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_varlen.packed_causal_mask(pos),
+                                                           scale=0.25, enable_gqa=True).transpose(1, 2)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
 def test_sdpa_varlen_compiles_into_one_graph_for_every_row_length():
     """An opaque op: no graph break, no data-dependent shape; new lengths and sequence counts do not recompile."""
     from torch._dynamo.testing import CompileCounter

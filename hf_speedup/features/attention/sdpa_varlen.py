@@ -6,7 +6,9 @@ out (for 8 sequences of log-uniform 16-512 tokens that is about 4x the attention
 the mask itself is built every step. The flash-attention kernels avoid that with ``cu_seqlens``, but they
 need CUDA. Here each sequence is handed to torch's own CPU flash-attention kernel
 (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) with ``is_causal=True``: the same
-math as the masked call (checked in the tests), without the wasted blocks.
+math as the masked call (checked in the tests), without the wasted blocks. Grouped-query models hand their
+key/value heads over as they are (the kernel shares them across query heads itself, :func:`native_gqa`), so no
+per-head copy of the keys and values is made or kept for backward.
 
 The sequence boundaries come from ``position_ids`` (a restart marks a new sequence, the rule transformers
 itself uses in ``find_packed_sequence_indices``). The per-sequence loop runs inside one custom op
@@ -100,8 +102,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse, position_ids = ctx.saved_tensors
-    dq, dk, dv = torch.ops.hf_speedup.sdpa_varlen_backward(grad_out.contiguous(), query, key, value, out, lse,
-                                                           position_ids, ctx.scale)
+    if grad_out.stride(-1) != 1 or 0 in grad_out.stride():  # the kernel reads any other strides as they are
+        grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.ops.hf_speedup.sdpa_varlen_backward(grad_out, query, key, value, out, lse, position_ids,
+                                                           ctx.scale)
     return dq, dk, dv, None, None
 
 
@@ -109,6 +113,29 @@ sdpa_varlen.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------- transformers glue
+_GQA: dict[str, bool] = {}
+
+
+def native_gqa() -> bool:
+    """torch's CPU flash kernel takes fewer key/value heads than query heads (forward and backward): then the
+    keys and values are not repeated per query head, a copy of each per layer and step, kept for backward."""
+    if "cpu" not in _GQA:
+        q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
+        try:
+            o, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, kv, kv, 0.0, True, attn_mask=None,
+                                                                       scale=1.0)
+            grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(o, q, kv, kv, o, lse, 0.0, True,
+                                                                              attn_mask=None, scale=1.0)
+            ok = o.shape == q.shape and grads[1].shape == kv.shape and grads[2].shape == kv.shape
+            want = torch.nn.functional.scaled_dot_product_attention(q, kv.expand(1, 2, 3, 8), kv.expand(1, 2, 3, 8),
+                                                                    is_causal=True, scale=1.0)
+            ok = ok and torch.allclose(o, want, atol=1e-5)
+        except (RuntimeError, ValueError):  # an older kernel that wants equal head counts
+            ok = False
+        _GQA["cpu"] = ok
+    return _GQA["cpu"]
+
+
 def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, 1, T, T) bool: causal within each sequence of a packed row (the mask transformers' sdpa would use)."""
     rows = position_ids.reshape(-1, position_ids.shape[-1])
@@ -146,7 +173,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     elif not query.dtype == key.dtype == value.dtype:
         query, key = query.to(value.dtype), key.to(value.dtype)
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
+    if groups > 1 and not native_gqa():
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out, _ = torch.ops.hf_speedup.sdpa_varlen(query, key, value, position_ids, float(scale))
