@@ -8,7 +8,8 @@ against the stock Trainer on one of them, and what regional compile does with th
 Part ``kernels``: per architecture, each implementation trains the same model (same seed, same batches, AdamW) in
 lock step (step i of every implementation back to back, so a busy moment of a shared machine falls on all alike);
 steady step = median of the steps after the first; whole = the door's measurement (auto only, a fresh cache) + all
-steps. Part ``trainer``: ``SpeedupTrainer(speedup="fast")`` vs ``transformers.Trainer`` (whole run, steady step,
+steps. Part ``trainer``: ``SpeedupTrainer(speedup="fast")`` (and ``fast-compiled``: its MoE blocks compiled by
+inductor from the first step; ``fast-eager``: never compiled) vs ``transformers.Trainer`` (whole run, steady step,
 losses, the report's compile counters). Part ``compile``: each decoder block under ``torch.compile`` (dynamo with
 the ``eager`` backend: graphs, breaks and recompiles, no code generation) for steps whose routing differs.
 """
@@ -29,6 +30,22 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 KERNELS = ("eager", "batched_mm", "grouped_mm")
+
+
+def _fast(**changes):
+    def config():
+        from hf_speedup import get_preset
+
+        return get_preset("fast").replace(**changes) if changes else "fast"
+
+    return config
+
+
+VARIANTS = {  # part trainer's SpeedupTrainer variants (``stock`` is transformers.Trainer)
+    "fast": _fast(),
+    "fast-compiled": _fast(compile={"when": "always"}),  # the MoE blocks compiled (inductor) from the first step
+    "fast-eager": _fast(compile={"enabled": False}),
+}
 
 
 def config(arch: str, hidden: int):
@@ -115,7 +132,7 @@ def part_trainer(a) -> list[dict]:
     data = batches(a.trainer_steps, a.batch, a.seq)
     rows_ = [{"input_ids": r.tolist(), "labels": r.tolist(), "attention_mask": [1] * a.seq} for x in data for r in x]
     out = []
-    for variant in ("stock", "fast"):
+    for variant in a.trainer_variants.split(","):
         model = build(a.trainer_arch, a.hidden)
         args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix=f"bench_moe_{variant}_"), use_cpu=True,
                                  per_device_train_batch_size=a.batch, max_steps=a.trainer_steps, logging_steps=1,
@@ -123,7 +140,7 @@ def part_trainer(a) -> list[dict]:
                                  dataloader_num_workers=0, train_sampling_strategy="sequential")
         kw = dict(model=model, args=args, train_dataset=Dataset.from_list(rows_), data_collator=default_data_collator)
         start = time.perf_counter()
-        trainer = Trainer(**kw) if variant == "stock" else SpeedupTrainer(**kw, speedup="fast")
+        trainer = Trainer(**kw) if variant == "stock" else SpeedupTrainer(**kw, speedup=VARIANTS[variant]())
         stamps = []
         from transformers import TrainerCallback
 
@@ -138,7 +155,7 @@ def part_trainer(a) -> list[dict]:
         row = {"variant": variant, "whole_s": whole, "steady_s": statistics.median(steps[len(steps) // 2:]),
                "losses": [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
                "experts": model.config._experts_implementation}
-        if variant == "fast":
+        if variant != "stock":
             rep = trainer.speedup_report.to_dict()
             row["plan"] = {k: (v["applied"], v["engaged"]) for k, v in rep["plan"].items()
                            if k in ("experts", "compile", "attention", "data", "optimizer")}
@@ -194,6 +211,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--trainer-arch", default="qwen3_moe")
     p.add_argument("--trainer-steps", type=int, default=12)
+    p.add_argument("--trainer-variants", default="stock,fast", help=f"stock and any of {', '.join(VARIANTS)}")
     p.add_argument("--gather-limit", type=float, default=2 * 2**30,
                    help="skip batched_mm where it would gather more expert weights than this per layer (bytes)")
     p.add_argument("--json", default=None)

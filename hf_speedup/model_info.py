@@ -10,7 +10,7 @@ from torch import nn
 from .blocks import block_class_names, find_blocks, unwrap_model
 from .dtypes import long_name
 from .model_parts import (attention_softcap, expert_parameters, experts_implementation, experts_modules, head_kind,
-                          head_modules, miscounted_loss, routers)
+                          head_modules, miscounted_loss, routers, value_head_dim)
 from .model_shape import ModelShape, held_weights, model_shape, owners
 
 
@@ -45,6 +45,7 @@ class ModelInfo:
     packed_reason: str = ""
     sliding_window: int | None = None  # attention limited to the last N tokens in some or all layers
     attention_softcap: float | None = None  # attention logits squashed by cap*tanh(s/cap) (Gemma 2): not SDPA's math
+    value_head_dim: int | None = None  # where values are narrower than queries/keys (DeepSeek's latent attention)
     shape: ModelShape | None = None  # the sizes memory estimates need (memory_model)
     compiled_whole: bool = False  # the caller already compiled the whole model (torch.compile(model), model.compile())
     extra: dict = field(default_factory=dict)
@@ -166,7 +167,8 @@ def attention_facts(model: nn.Module) -> dict:
         packed, why = True, (f"{cls.__name__} builds masks with create_causal_mask (sequences found from restarting "
                              "position_ids) and dispatches attention through AttentionInterface")
     return {"attn_implementation": impl, "attention_kernels": tuple(kernels), "packed_sequences": packed,
-            "packed_reason": why, "sliding_window": _sliding_window(cfg), "attention_softcap": attention_softcap(cfg)}
+            "packed_reason": why, "sliding_window": _sliding_window(cfg), "attention_softcap": attention_softcap(cfg),
+            "value_head_dim": value_head_dim(cfg)}
 
 
 def _sliding_window(cfg) -> int | None:

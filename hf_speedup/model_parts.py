@@ -120,6 +120,20 @@ def attention_softcap(config) -> float | None:
     return float(cap) if isinstance(cap, (int, float)) and cap else None
 
 
+def value_head_dim(config) -> int | None:
+    """The value head size where it differs from the query/key one (multi-head latent attention: DeepSeek V2/V3
+    attend with 192-wide queries and keys over 128-wide values); None where they are equal or not stated."""
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    v = getattr(text, "v_head_dim", None)
+    if not isinstance(v, int):
+        return None
+    qk = getattr(text, "qk_head_dim", None)
+    if not isinstance(qk, int):
+        nope, rope = getattr(text, "qk_nope_head_dim", None), getattr(text, "qk_rope_head_dim", None)
+        qk = nope + rope if isinstance(nope, int) and isinstance(rope, int) else getattr(text, "head_dim", None)
+    return v if isinstance(qk, int) and qk != v else None
+
+
 def miscounted_loss(model: nn.Module) -> str:
     """Why the stock Trainer's loss of padded causal-LM batches is not the mean over the real targets ("" where it
     is). The Trainer counts a batch's targets over ``labels[..., 1:]`` only when the model's ``loss_type`` maps to

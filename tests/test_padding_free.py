@@ -92,6 +92,36 @@ def test_sliding_window_models_get_a_kernel_that_keeps_the_window(collator, make
         torch.testing.assert_close(got, out_pad.logits[i, :n], rtol=1e-5, atol=1e-5, msg=f"sequence {i}")
 
 
+
+def test_latent_attention_models_keep_sdpa_and_stay_exact_when_forced(collator, make_args, caplog):
+    """DeepSeek V3's latent attention: 24-wide queries and keys over 16-wide values, which torch's CPU flash kernel
+    refuses ("Q/K/V should have the same head size"). The plan takes sdpa with the reason; a model switched to
+    sdpa_varlen by hand runs through sdpa's masked path, said once, and its packed logits equal the padded ones."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from hf_speedup.features.attention import sdpa_varlen
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=40, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, pad_token_id=0, attn_implementation="sdpa")).eval()
+    model.config.use_cache = False
+    d = plan_for("auto", caps=fake_caps(**CPU_NO_BF16), model=model, args=make_args())["attention"]
+    assert d.settings.implementation == "sdpa", d.reason
+    assert "DeepseekV3ForCausalLM's values are 16 wide, narrower than its queries and keys" in d.reason
+    sdpa_varlen.register()
+    model.set_attn_implementation("sdpa_varlen")
+    feats = examples()
+    flat = pf.flattening_collator(collator, None)[0](feats)
+    sdpa_varlen._WARNED.clear()
+    with torch.no_grad(), caplog.at_level("WARNING", logger="hf_speedup"):
+        out_flat, out_pad = model(**flat), model(**collator(feats))
+    assert sum("16-wide values under 24-wide queries" in r.message for r in caplog.records) == 1
+    for i, (got, n) in enumerate(zip(per_sequence(out_flat.logits, LENGTHS), LENGTHS)):
+        torch.testing.assert_close(got, out_pad.logits[i, :n], rtol=1e-5, atol=1e-5, msg=f"sequence {i}")
+
 @pytest.mark.parametrize("impl", ["sdpa", "sdpa_varlen"])
 def test_perturbing_one_sequence_moves_only_its_own_logits(impl):
     feats = examples()

@@ -12,7 +12,8 @@ transformers' own switch (``set_attn_implementation``) and read back from the li
 ``flex_attention`` is taken only when asked for, and never for CPU training (torch has no CPU backward for
 it). The model's own features count: ``sdpa`` and ``sdpa_varlen`` need the class's ``_supports_sdpa`` and no
 attention-logit softcapping (Gemma 2's ``attn_logit_softcapping``: SDPA cannot apply it, flash-attention and
-flex_attention can); ``sdpa_varlen`` also needs full (not sliding-window) attention; the flash kernels need
+flex_attention can); ``sdpa_varlen`` also needs full (not sliding-window) attention and one head size for
+queries, keys and values (not DeepSeek's latent attention, whose values are narrower); the flash kernels need
 ``_supports_flash_attn``, ``flex_attention`` ``_supports_flex_attn``. A kernel asked for that cannot run here falls back along the same ranking, listed in ``fallbacks``;
 with ``attention.strict`` it is an error instead. ``keep`` (the baseline) leaves the model's own choice.
 """
@@ -101,6 +102,9 @@ def usable(name: str, caps, info, dtype: str, packed: bool) -> tuple[bool, str]:
         if getattr(info, "sliding_window", None):
             return False, (f"{info.architecture} attends within a sliding window of {info.sliding_window} tokens; "
                            "sdpa_varlen computes full causal attention per sequence")
+        if getattr(info, "value_head_dim", None):
+            return False, (f"{info.architecture}'s values are {info.value_head_dim} wide, narrower than its queries "
+                           "and keys; torch's CPU flash kernel needs one head size")
     return True, ""
 
 

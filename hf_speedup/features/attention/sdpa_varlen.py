@@ -24,9 +24,13 @@ with a block-diagonal mask made from ``position_ids`` where the row is packed, s
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 NAME = "sdpa_varlen"
+logger = logging.getLogger("hf_speedup")
+_WARNED: dict[str, bool] = {}
 _aten = torch.ops.aten
 
 
@@ -145,6 +149,19 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return ((seq[:, :, None] == seq[:, None, :]) & causal)[:, None]
 
 
+def _one_head_size(module, query, value) -> bool:
+    """torch's CPU flash kernel needs values as wide as queries (the plan keeps latent-attention models off this
+    kernel; a model switched to it by hand goes through sdpa, said once)."""
+    if query.shape[-1] == value.shape[-1]:
+        return True
+    if not _WARNED.get("head_size"):
+        _WARNED["head_size"] = True
+        logger.warning("hf_speedup attention fallback: %s has %d-wide values under %d-wide queries; sdpa_varlen runs "
+                       "it through sdpa with a block-diagonal mask", type(module).__name__, value.shape[-1],
+                       query.shape[-1])
+    return False
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       is_causal=None, **kwargs):
     """transformers' attention signature; (B, T, H, D) output like ``sdpa_attention_forward``."""
@@ -157,7 +174,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_len = query.shape[2]
     direct = (attention_mask is None and causal and not dropout and q_len == key.shape[2] and q_len > 1
-              and query.device.type == "cpu")
+              and query.device.type == "cpu" and _one_head_size(module, query, value))
     if direct and position_ids is None:
         raise RuntimeError(
             f"attention sdpa_varlen: {type(module).__name__} did not pass position_ids to its attention call, so "
