@@ -11,7 +11,9 @@ the batch keeps its padding and the reason is reported. Rows the trainer's final
 (``packing``, ``padding_free``: the user's or the plan's) get the ``use_cache`` guard whatever the plan
 says, and count as flattened for ``drop_last`` (packed rows are fewer than the examples: not dropped).
 With padding-free rows ``pad_to_multiple_of`` is not applied (there is no padding to round up; under
-compile the sequence dimension is dynamic instead).
+compile the sequence dimension is dynamic instead). Nor is a preset's ``pad_to_multiple_of`` applied where the
+head's loss would see the extra padding (question answering: a softmax over every position of the row; a head
+hf_speedup does not know): the rows stay as the collator pads them, and the reason says so.
 
 Every ``data.*`` field left ``None`` keeps the user's TrainingArguments / collator untouched, so the
 ``baseline`` preset changes nothing. Padding is applied to the collator:
@@ -112,6 +114,33 @@ def _padding_free(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
                         "loss as padded batches" + note), []
 
 
+# heads whose loss never sees a padded position (labels -100 there, or the class token / last real token read)
+PAD_SAFE_HEADS = ("causal_lm", "masked_lm", "seq2seq_lm", "sequence_classification", "token_classification")
+
+
+def _pad_for_head(pad: int | None, via: str | None, ctx: PlanContext, reasons: list[str]) -> int | None:
+    """A preset's ``pad_to_multiple_of`` only where extra padding cannot change the loss: a question-answering
+    head's start/end softmax runs over every position, padding included (transformers masks none), so rounding
+    the rows up would change its loss and gradients; a head hf_speedup does not know may do the same."""
+    head = getattr(ctx.model, "head", None)
+    if not pad or via is not None or ctx.model is None or head in PAD_SAFE_HEADS:
+        return pad
+    from ...model_parts import HEAD_NAMES
+
+    why = (f"the loss of {HEAD_NAMES.get(head, head)} ({ctx.model.architecture}) runs over every position, "
+           "padding included" if head == "question_answering" else
+           f"{ctx.model.architecture} has {HEAD_NAMES.get(head, head)}: how its loss treats padded positions is "
+           "not known")
+    if "data.pad_to_multiple_of" in ctx.config.explicit_fields():
+        note = f"pad_to_multiple_of={pad}: applied as asked, but {why}: the extra padding changes the loss"
+        logger.warning("hf_speedup data: %s", note)
+        reasons.append(note)
+        return pad
+    reasons.append(f"pad_to_multiple_of={pad} not applied: {why}, so extra padding would change the loss "
+                   "(batches keep the collator's own padding)")
+    return None
+
+
 def decide(ctx: PlanContext) -> Decision:
     s, caps = ctx.config.data, ctx.caps
     via, pf_reason, pf_fallbacks = _padding_free(ctx)
@@ -132,6 +161,7 @@ def decide(ctx: PlanContext) -> Decision:
             ctx.config.explicit_fields():
         reasons.append(f"kept your {type(ctx.args).__name__}.pad_to_multiple_of={users_pad} over the preset's {pad}")
         pad = None
+    pad = _pad_for_head(pad, via, ctx, reasons)
     settings = Settings(pad_to_multiple_of=pad, loader=loader,
                         padding_free=via is not None, padding_free_via=via, packing=packing,
                         rows_flattened=flattened, train_drop_last=train_drop_last)
