@@ -110,10 +110,15 @@ def _roles(shape: ModelShape) -> list[tuple[str, int, str]]:
 def lora_parameters(shape: ModelShape, lora: LoraShape) -> int:
     """Adapter parameters over every block: ``rank x (in + out)`` per adapted Linear, and one such pair per expert
     of an adapted fused expert weight (peft's ParamWrapper: lora_A ``(rank x experts, in)``)."""
-    linears = sum(lora.rank * (i + o) for _, i, o, _ in _adapted(shape, lora))
-    experts = sum(lora.rank * e * (i + o) for n, e, i, o in shape.block_experts
-                  if lora.expert_targets == "all" or any(n == t or n.endswith("." + t) for t in lora.expert_targets))
-    return shape.num_blocks * (linears + experts)
+    layouts = shape.block_layouts or ((shape.num_blocks, shape.block_linears, shape.block_experts),)
+    total = 0
+    for count, block_linears, block_experts in layouts:
+        linears = sum(lora.rank * (i + o) for n, i, o in block_linears
+                      if lora.targets == "all-linear" or n in lora.targets)
+        experts = sum(lora.rank * e * (i + o) for n, e, i, o in block_experts if lora.expert_targets == "all" or
+                      any(n == t or n.endswith("." + t) for t in lora.expert_targets))
+        total += count * (linears + experts)
+    return total
 
 
 def _adapted(shape: ModelShape, lora: LoraShape) -> list[tuple[str, int, int, str]]:

@@ -199,6 +199,31 @@ def _compiled_whole(model: nn.Module) -> bool:
     return False
 
 
+def _block_parts(blocks) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """Linear leaf names (routers left out), fused expert weights and routers over every block: mixtures of experts
+    may begin with dense blocks (DeepSeek-V3's first_k_dense_replace, Qwen2-MoE's mlp_only_layers) or alternate
+    (Llama 4), so the first block alone would miss the experts."""
+    linear_names: list[str] = []
+    experts: list[str] = []
+    found_routers: list[str] = []
+    seen: set = set()
+    for b in blocks:
+        layout = (type(b), tuple(n for n, _ in b.named_parameters()))
+        if layout in seen:  # the same structure as a block already read
+            continue
+        seen.add(layout)
+        block_routers = routers(b)
+        found_routers += [r for r in block_routers if r not in found_routers]
+        experts += [e for e in expert_parameters(b) if e not in experts]
+        for name, m in b.named_modules():
+            in_router = any(name == r or name.startswith(r + ".") for r in block_routers)
+            if is_linear_layer(m) and not in_router:
+                leaf = name.split(".")[-1]
+                if leaf and leaf not in linear_names and leaf not in ("base_layer",):
+                    linear_names.append(leaf)
+    return tuple(linear_names), tuple(experts), tuple(found_routers)
+
+
 def describe_model(model: nn.Module) -> ModelInfo:
     cfg = getattr(model, "config", None)
     text_cfg = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
@@ -206,15 +231,7 @@ def describe_model(model: nn.Module) -> ModelInfo:
     names = block_class_names(model)
     counts = parameter_counts(model)
     emb = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
-    linear_names: list[str] = []
-    block_routers = routers(blocks[0]) if blocks else ()
-    for b in blocks[:1]:
-        for name, m in b.named_modules():
-            in_router = any(name == r or name.startswith(r + ".") for r in block_routers)
-            if is_linear_layer(m) and not in_router:
-                leaf = name.split(".")[-1]
-                if leaf and leaf not in linear_names and leaf not in ("base_layer",):
-                    linear_names.append(leaf)
+    linear_names, experts, block_routers = _block_parts(blocks)
     dtype = next((long_name(p.dtype) for p in model.parameters() if p.is_floating_point()), "float32")
     return ModelInfo(
         architecture=type(unwrap_model(model)).__name__,
@@ -233,7 +250,7 @@ def describe_model(model: nn.Module) -> ModelInfo:
         compiled_whole=_compiled_whole(model),
         quantization=quantization_of(model),
         linear_names=tuple(linear_names),
-        expert_parameters=expert_parameters(blocks[0]) if blocks else (),
+        expert_parameters=experts,
         routers=block_routers,
         experts_modules=len(experts_modules(model)),
         experts_implementation=experts_implementation(model),

@@ -39,6 +39,9 @@ class ModelShape:
     # that is (in, out) for the (experts, out, in) layout of most models; GPT-OSS and Aria store them the other way
     block_experts: tuple[tuple[str, int, int, int], ...] = ()
     experts_per_token: int = 0  # config.num_experts_per_tok: the routed experts each token runs through
+    # where the blocks differ (dense blocks before the experts): (count, block_linears, block_experts) per layout,
+    # for the adapter count; every other figure takes the largest block for all (empty: every block alike)
+    block_layouts: tuple = ()
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -123,7 +126,10 @@ def model_shape(model: nn.Module) -> ModelShape | None:
     if not hidden or not heads:
         return None
     head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
-    linears = _block_linears(blocks[0])
+    # the largest block stands for all: a mixture of experts whose first blocks are dense (DeepSeek-V3, Qwen2-MoE
+    # with mlp_only_layers) or alternate (Llama 4) is sized by its expert blocks, an estimate that errs high
+    first = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()))
+    linears = _block_linears(first)
     inter = getattr(text, "intermediate_size", None) or max((o for _, _, o in linears), default=4 * hidden)
     params = _unique_params(model)
     owner = owners(model)
@@ -137,7 +143,7 @@ def model_shape(model: nn.Module) -> ModelShape | None:
     emb_w = getattr(emb, "weight", None)
     head_w = getattr(head, "weight", None)
     tied = emb_w is not None and head_w is emb_w
-    block = _unique_params(blocks[0])
+    block = _unique_params(first)
     floating = next((p for p in params.values() if p.is_floating_point()), None)
     return ModelShape(
         hidden_size=hidden, intermediate_size=int(inter), num_blocks=len(blocks), num_heads=heads,
@@ -150,9 +156,20 @@ def model_shape(model: nn.Module) -> ModelShape | None:
         head_params=0 if (tied or head_w is None) else _numel(head_w),
         block_params=sum(_numel(p) for p in block.values()),
         block_small_params=sum(_numel(p) for p in block.values() if p.numel() < SMALL_PARAM),
-        block_linears=linears, block_experts=_block_experts(blocks[0]),
-        experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0),
+        block_linears=linears, block_experts=_block_experts(first),
+        experts_per_token=int(getattr(text, "num_experts_per_tok", 0) or 0), block_layouts=_layouts(blocks),
     )
+
+
+def _layouts(blocks) -> tuple:
+    """(count, block_linears, block_experts) per distinct block layout, where there is more than one."""
+    groups: dict = {}
+    for b in blocks:
+        key = (type(b), tuple((n, tuple(p.shape)) for n, p in b.named_parameters() if "lora_" not in n))
+        groups.setdefault(key, [0, b])[0] += 1
+    if len(groups) < 2:
+        return ()
+    return tuple((count, _block_linears(b), _block_experts(b)) for count, b in groups.values())
 
 
 def _block_experts(block: nn.Module) -> tuple[tuple[str, int, int, int], ...]:

@@ -48,21 +48,33 @@ def _config(name: str):
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**DECODER, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                               moe_intermediate_size=32),
         "olmoe": lambda: T.OlmoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2),
+        # mixtures of experts whose first block is dense: the experts are in the second block only
+        "deepseek_v3": lambda: T.DeepseekV3Config(  # latent attention too: values narrower than queries and keys
+            **{**DECODER, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+            v_head_dim=8),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                              mlp_only_layers=[0]),
         "bert": lambda: T.BertConfig(**SIZES, **NO_DROPOUT),
         "modernbert": lambda: T.ModernBertConfig(**SIZES, cls_token_id=1, sep_token_id=2, attention_dropout=0.0,
                                                  mlp_dropout=0.0, embedding_dropout=0.0),
         "llama_cls": lambda: T.LlamaConfig(**DECODER, num_labels=3),
         "bert_cls": lambda: T.BertConfig(**SIZES, **NO_DROPOUT, num_labels=3),
+        "bert_qa": lambda: T.BertConfig(**SIZES, **NO_DROPOUT),
     }[name]()
 
 
 CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
            "opt": "OPTForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "olmoe": "OlmoeForCausalLM", "bert": "BertForMaskedLM", "modernbert": "ModernBertForMaskedLM",
-           "llama_cls": "LlamaForSequenceClassification", "bert_cls": "BertForSequenceClassification"}
+           "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+           "bert": "BertForMaskedLM", "modernbert": "ModernBertForMaskedLM",
+           "llama_cls": "LlamaForSequenceClassification", "bert_cls": "BertForSequenceClassification",
+           "bert_qa": "BertForQuestionAnswering"}
 ARCHS = tuple(CLASSES)
-MOE = ("mixtral", "qwen3_moe", "olmoe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "qwen2_moe")
+DENSE_FIRST = ("deepseek_v3", "qwen2_moe")  # their first block is dense, the experts are in the second
 
 
 def build(name: str):
@@ -75,6 +87,8 @@ def build(name: str):
 def kind(name: str) -> str:
     if name.endswith("_cls"):
         return "classify"
+    if name.endswith("_qa"):
+        return "answer"
     return "masked" if name in ("bert", "modernbert") else "causal"
 
 
@@ -89,6 +103,8 @@ def rows(name: str) -> list[dict]:
             row["input_ids"] = [3 if j % 3 == 1 else t for j, t in enumerate(ids)]
         elif kind(name) == "classify":
             row["labels"] = i % 3
+        elif kind(name) == "answer":  # a span inside the shortest row; the start/end softmax spans the whole row
+            row["start_positions"], row["end_positions"] = 1 + i % 3, 3 + i % 4
         out.append(row)
     return out
 
@@ -98,7 +114,8 @@ def collator(name: str, tokenizer):
 
     return {"causal": lambda: DataCollatorForLanguageModeling(tokenizer, mlm=False),
             "masked": lambda: DataCollatorForSeq2Seq(tokenizer),
-            "classify": lambda: DataCollatorWithPadding(tokenizer)}[kind(name)]()
+            "classify": lambda: DataCollatorWithPadding(tokenizer),
+            "answer": lambda: DataCollatorWithPadding(tokenizer)}[kind(name)]()
 
 
 def speedup(preset: str):
@@ -192,10 +209,14 @@ def test_preset_on_architecture(name, preset, workdir):
 def _check_lora(trainer, entry, name, before):
     from peft.tuners.lora import LoraLayer, ParamWrapper
 
+    from hf_speedup.features.lora.targets import peft_renamed
     from hf_speedup.model_parts import routers
 
     model = trainer.model
     base = unwrap_model(model)
+    frozen = peft_renamed(base.config.model_type)  # the plan leaves them out and says why (peft's v4 conversion)
+    if any(n.split(".")[-1] in frozen for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)):
+        assert "stay frozen" in entry["reason"], entry["reason"]
     lora = {n for n, m in model.named_modules() if isinstance(m, LoraLayer)}
     assert sum(entry["settings"]["adapters"].values()) == len(lora)
     for block in find_blocks(model):
@@ -203,8 +224,8 @@ def _check_lora(trainer, entry, name, before):
         for n, m in block.named_modules():  # a plain linear layer left is one without an adapter
             in_router = any(n == r or n.startswith(r + ".") for r in skip)
             linear = isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
-            assert not (linear and not in_router and "lora_" not in n and not n.endswith("base_layer")), \
-                f"{n} has no adapter"
+            assert not (linear and not in_router and "lora_" not in n and not n.endswith("base_layer")
+                        and n.split(".")[-1] not in frozen), f"{n} has no adapter"
         for r in skip:  # the router is frozen and carries no adapter
             router = block.get_submodule(r)
             assert not any(p.requires_grad for p in router.parameters()) and not isinstance(router, LoraLayer)
@@ -354,9 +375,16 @@ def test_lora_on_moe_adapts_the_fused_experts_and_leaves_the_router_frozen(name)
 
     model = build(name)
     d = lora_plan(model)
-    assert d.settings.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert d.settings.target_modules == {  # every linear layer the blocks have, experts and routers aside
+        "deepseek_v3": ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+        # its shared expert's (and first dense block's) MLP: real linear layers peft leaves alone for this type
+        "qwen2_moe": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    }.get(name, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    if name == "deepseek_v3":  # peft would turn gate/up/down_proj into the expert weights: said, not silent
+        assert "not its down_proj, gate_proj, up_proj layers (dense blocks' MLPs, shared experts)" in d.reason
     assert d.settings.target_parameters == ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-    assert "router mlp.gate not adapted" in d.reason and "every linear layer" in d.reason and "but its router" in d.reason
+    routers = "router mlp.gate, mlp.shared_expert_gate" if name == "qwen2_moe" else "router mlp.gate"
+    assert f"{routers} not adapted" in d.reason and "every linear layer" in d.reason and "but its router" in d.reason
     assert d.settings.dropout == 0.0  # peft's ParamWrapper cannot apply dropout: said, not silent
     assert d.fallbacks == ("lora.dropout 0.05 -> 0: peft's lora.ParamWrapper (the adapters on the expert weights) "
                            "cannot apply dropout, and one adapter has one dropout",)
@@ -367,14 +395,15 @@ def test_lora_on_moe_adapts_the_fused_experts_and_leaves_the_router_frozen(name)
     outcome = Outcome()
     ok, why = lora.verify(d, _Trainer(peft_model), outcome)
     assert ok, why
-    assert outcome.facts["adapters"]["model.layers.*.mlp.experts.gate_up_proj"] == 2
-    assert outcome.facts["adapters"]["model.layers.*.mlp.experts.down_proj"] == 2
-    assert "model.layers.*.mlp.experts.gate_up_proj x2" in why and "lora.ParamWrapper" in why
+    moe_blocks = 1 if name in DENSE_FIRST else 2
+    assert outcome.facts["adapters"]["model.layers.*.mlp.experts.gate_up_proj"] == moe_blocks
+    assert outcome.facts["adapters"]["model.layers.*.mlp.experts.down_proj"] == moe_blocks
+    assert f"model.layers.*.mlp.experts.gate_up_proj x{moe_blocks}" in why and "lora.ParamWrapper" in why
     with torch.no_grad():
         torch.testing.assert_close(peft_model(x).logits, before)  # adapters start at zero
     peft_model(x, labels=x).loss.backward()
     experts = [p.grad for n, p in peft_model.named_parameters() if "experts" in n and "lora_B" in n]
-    assert len(experts) == 4 and all(g is not None and g.abs().sum() > 0 for g in experts)
+    assert len(experts) == 2 * moe_blocks and all(g is not None and g.abs().sum() > 0 for g in experts)
 
 
 def test_lora_on_moe_refuses_dropout_when_strict():

@@ -219,12 +219,17 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
     config = LoraConfig(r=st.r, lora_alpha=st.alpha, lora_dropout=st.dropout, target_modules=peft_targets,
                         target_parameters=list(st.target_parameters) or None, bias="none", task_type=task_type,
                         fan_in_fan_out=fan_in_fan_out, modules_to_save=list(heads) or None)
+    allowed = sorted(_linear_leaves(model))  # read before peft, which may have wrapped some layers when it fails
     try:
         setup.model = get_peft_model(model, config)
         remember_wrapper(setup.model)
     except ValueError as exc:  # peft's "Target modules ... not found" and the like: name the field and the fix
+        if "dropout" in str(exc):
+            raise SpeedupConfigError([
+                f"lora.dropout = {st.dropout!r}: peft could not adapt this {type(model).__name__} ({exc}); allowed: "
+                "0 where adapters sit on fused expert weights; fix: set lora.dropout: 0"]) from None
         raise SpeedupConfigError([
             f"lora.target_modules = {targets!r}: peft could not adapt this {type(model).__name__} ({exc}); allowed: "
-            f"the names of its linear layers {sorted(_linear_leaves(model))}; fix: set lora.target_modules: "
-            "[names] from that list"]) from None
+            f"the names of its linear layers {allowed}; fix: set lora.target_modules: [names] from that list"]) \
+            from None
     logger.info("hf_speedup: LoRA (%s) on %s", decision.applied, _fmt(targets))

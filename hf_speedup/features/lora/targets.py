@@ -30,7 +30,14 @@ def resolve_targets(ctx: PlanContext) -> tuple[list[str] | str, str]:
         return asked, "as configured"
     if info is not None and info.linear_names:
         but = f" but its router{'s' if len(info.routers) > 1 else ''}" if info.routers else ""
-        return list(info.linear_names), f"every linear layer in the repeated {info.block_class}{but}, inside the blocks only"
+        renamed = peft_renamed(info.model_type) & set(info.linear_names)
+        why = f"every linear layer in the repeated {info.block_class}{but}, inside the blocks only"
+        if renamed:
+            why += (f"; not its {', '.join(sorted(renamed))} layers (dense blocks' MLPs, shared experts): peft turns "
+                    f"those names into the fused expert weights for model type {info.model_type!r} (its conversion "
+                    "of transformers-v4 adapters), so adapters there would be neither made nor reloaded; they stay "
+                    "frozen")
+        return [n for n in info.linear_names if n not in renamed], why
     if info is not None:
         from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_MAP
 
@@ -39,6 +46,26 @@ def resolve_targets(ctx: PlanContext) -> tuple[list[str] | str, str]:
     if info is not None and info.model_type == "unknown":  # not a transformers model: peft sees no output head
         return "all-linear", "peft's all-linear (every linear layer: this model has no transformers config naming its head)"
     return "all-linear", "peft's all-linear (every Linear but the output head)"
+
+
+def peft_renamed(model_type: str | None) -> set[str]:
+    """Layer names peft (0.21 on transformers 5) rewrites into fused expert weights for this model type before it
+    adapts anything: ``gate_proj``/``up_proj``/``down_proj`` become ``experts.gate_up_proj``/``experts.down_proj``
+    for DeepSeek-V3, Qwen3-MoE, OLMoE, GLM-4-MoE and the other Qwen2-MoE-converted types, whatever module really has
+    the name (a dense block's MLP, a shared expert). Empty where peft does not (or no longer) do this."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except Exception:  # older peft, or transformers 4
+        return set()
+    base = getattr(conversion, "_MODEL_TO_CONVERSION_PATTERN", {}).get(model_type)
+    mapping = getattr(conversion, "_MOE_TARGET_MODULE_MAPPING", {}).get(base) or {}
+    fused = getattr(conversion, "_MOE_FUSED_TARGETS", {}).get(base)
+    checkpoint = getattr(conversion, "get_checkpoint_conversion_mapping", lambda _: None)
+    try:
+        converts = bool(mapping and fused) and checkpoint(model_type) is not None
+    except Exception:
+        converts = False
+    return {name for name, new in mapping.items() if converts and not name.endswith("gate") and new != "gate.weight"}
 
 
 def _names_parameter(target: str, parameters) -> bool:
