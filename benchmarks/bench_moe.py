@@ -48,10 +48,10 @@ VARIANTS = {  # part trainer's SpeedupTrainer variants (``stock`` is transformer
 }
 
 
-def config(arch: str, hidden: int):
+def config(arch: str, hidden: int, layers: int = 2):
     import transformers as T
 
-    common = dict(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=512, max_position_embeddings=1024, attention_dropout=0.0, pad_token_id=0)
     if arch == "qwen3_moe":  # Qwen3-30B-A3B: 128 experts top-8, expert width 768 = 0.375 h
         return T.Qwen3MoeConfig(**common, head_dim=hidden // 4, num_experts=16, num_experts_per_tok=4,
@@ -61,11 +61,14 @@ def config(arch: str, hidden: int):
     return T.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2, intermediate_size=hidden * 7 // 2)
 
 
+LAYERS = 2  # set from --layers
+
+
 def build(arch: str, hidden: int):
     import transformers as T
 
     torch.manual_seed(0)
-    return T.AutoModelForCausalLM.from_config(config(arch, hidden))
+    return T.AutoModelForCausalLM.from_config(config(arch, hidden, LAYERS))
 
 
 def batches(n: int, batch: int, seq: int):
@@ -80,10 +83,12 @@ def part_kernels(a) -> list[dict]:
     for arch in a.archs.split(","):
         data = batches(a.steps, a.batch, a.seq)
         os.environ[measured.MEASURE_ENV] = "1"
-        os.environ[measured.CACHE_ENV] = tempfile.mkdtemp(prefix="bench_moe_cache_")
+        os.environ[measured.CACHE_ENV] = a.cache or tempfile.mkdtemp(prefix="bench_moe_cache_")
         probe = build(arch, a.hidden)
         start = time.perf_counter()
-        decision = plan_for("auto", model=probe)["experts"]
+        from hf_speedup import get_preset
+
+        decision = plan_for(get_preset("auto").replace(precision={"dtype": a.dtype}), model=probe)["experts"]
         door = time.perf_counter() - start
         from hf_speedup.features.experts.timing import shapes
         from hf_speedup.model_info import describe_model
@@ -105,7 +110,8 @@ def part_kernels(a) -> list[dict]:
         for x in data:  # lock step
             for k in kernels:
                 t = time.perf_counter()
-                loss = runs[k](x, labels=x).loss
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+                    loss = runs[k](x, labels=x).loss
                 loss.backward()
                 opts[k].step()
                 opts[k].zero_grad(set_to_none=True)
@@ -206,9 +212,14 @@ def main(argv=None):
     p.add_argument("--parts", default="kernels,trainer,compile")
     p.add_argument("--archs", default="qwen3_moe,olmoe,mixtral")
     p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2, help="decoder blocks (every one a mixture of experts)")
+    p.add_argument("--cache", default=None, help="measurement cache folder to reuse (default: a fresh one per "
+                   "architecture, so the door's timing is paid and counted in auto's whole run)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="part kernels: train (and let auto time the experts) in fp32 or under bf16 autocast")
     p.add_argument("--trainer-arch", default="qwen3_moe")
     p.add_argument("--trainer-steps", type=int, default=12)
     p.add_argument("--trainer-variants", default="stock,fast", help=f"stock and any of {', '.join(VARIANTS)}")
@@ -216,6 +227,8 @@ def main(argv=None):
                    help="skip batched_mm where it would gather more expert weights than this per layer (bytes)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    global LAYERS
+    LAYERS = a.layers
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     result = {}
     parts = a.parts.split(",")

@@ -49,9 +49,10 @@ def measure(config: SpeedupConfig, caps: Capabilities, model: ModelInfo | None) 
 
     def each_feature() -> dict:
         found: dict = {}
-        for feature in FEATURES:
-            if (hook := getattr(feature, "measure", None)) is not None:
-                found.update(hook(config, caps, model) or {})
+        for feature in FEATURES:  # each hook sees what the ones before it measured (the experts are timed in
+            if (hook := getattr(feature, "measure", None)) is not None:  # the dtype precision's figure picks)
+                seen = dataclasses.replace(caps, measured={**found, **caps.measured})
+                found.update(hook(config, seen, model) or {})
         return found
 
     return dataclasses.replace(caps, measured={**shared_across_ranks(each_feature), **caps.measured})

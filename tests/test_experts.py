@@ -227,6 +227,29 @@ def test_the_door_times_in_the_dtype_the_plan_will_train_in(caplog):
     assert "precision undecided" not in caplog.text  # decided by the precision feature, not the fallback
 
 
+
+def test_the_experts_door_sees_the_matmul_figure_measured_at_the_same_door(tmp_path, monkeypatch):
+    """One door times the matmuls (precision) and then the experts: the experts must be timed in the dtype that
+    figure picks. They were timed in fp32 while the run trained in bf16 autocast (a Zen 4 CPU: in bf16 the loop
+    beat grouped_mm by 1.5x at a Mixtral shape that fp32 timing gave to grouped_mm)."""
+    from hf_speedup import measured
+    from hf_speedup.features.experts import timing
+    from hf_speedup.features.precision import matmul_speed
+
+    monkeypatch.setenv(measured.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(measured.MEASURE_ENV, "1")
+    monkeypatch.setattr(matmul_speed, "bf16_matmul_ratio", lambda shapes, tokens=None: (3.0, {"32x32": 3.0}, 0.0))
+    timed = []
+
+    def fake_timing(s, names, device, weights, compute, where):
+        timed.append(compute)
+        return Measurement(value={"eager": 1.0, "grouped_mm": 2.0}, what="faked", where=where)
+
+    monkeypatch.setattr(timing, "measurement", fake_timing)
+    plan = plan_for("fast", caps=fake_caps(**CPU_NO_BF16), model=build("qwen3_moe"))
+    assert plan["precision"].applied == "bf16" and timed == [torch.bfloat16]
+    assert plan["experts"].applied == "eager"
+
 def test_sharded_experts_are_read_from_the_config_without_a_probe_forward():
     """A forward of one ZeRO-3-partitioned module alone would gather across ranks: verify reads the config only."""
     model = build("mixtral")
