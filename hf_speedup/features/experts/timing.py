@@ -80,12 +80,18 @@ def time_implementations(s: dict, names, device: str, weight_dtype: torch.dtype,
     config = _Config()
     layer = _experts_class()(config, s["experts"], s["hidden"], s["width"]).to(device=device, dtype=weight_dtype)
     router = nn.Linear(s["hidden"], s["experts"], bias=False).to(device=device, dtype=weight_dtype)
-    x = torch.randn(s["tokens"], s["hidden"], device=device, dtype=weight_dtype, requires_grad=True)
+    # a new batch (so a new routing, new per-expert token counts) for every timed call: training never sees one
+    # routing twice, and the loop's GEMM shapes follow the token counts
+    inputs = iter([torch.randn(s["tokens"], s["hidden"], device=device, dtype=weight_dtype, requires_grad=True)
+                   for _ in range((REPEATS + 1) * len(names))])
+    x = next(inputs)
     autocast = torch.autocast(torch.device(device).type, dtype=compute_dtype) if compute_dtype != weight_dtype \
         else contextlib.nullcontext()
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
     def step():
+        nonlocal x
+        x = next(inputs, x)
         with autocast:
             probs = router(x).float().softmax(-1)
             weights, index = probs.topk(s["top_k"], dim=-1)
