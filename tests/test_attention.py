@@ -200,7 +200,10 @@ def _liger_apply_functions():
                     model=None):
         pass
 
-    return {"gemma": gemma, "granite": granite, "nemotron": nemotron, "deepseek_v3": deepseek_v3}
+    def llava(cross_entropy=False, fused_linear_cross_entropy=True, model=None, **kwargs):  # the rest: text model's
+        pass
+
+    return {"gemma": gemma, "granite": granite, "nemotron": nemotron, "deepseek_v3": deepseek_v3, "llava": llava}
 
 
 @pytest.mark.parametrize("model_type, eager, compiled", [
@@ -208,6 +211,7 @@ def _liger_apply_functions():
     ("granite", "rms_norm,rope,swiglu,cross_entropy", "cross_entropy"),
     ("nemotron", "relu_squared,fused_linear_cross_entropy", "fused_linear_cross_entropy"),
     ("deepseek_v3", "rms_norm,swiglu,fused_linear_cross_entropy", "fused_linear_cross_entropy"),
+    ("llava", "rms_norm,rope,swiglu,fused_linear_cross_entropy", "fused_linear_cross_entropy"),
 ])
 def test_liger_kernels_are_the_model_familys_own(model_type, eager, compiled, tiny_model, make_args, monkeypatch):
     """What Liger patches differs by family; the plan reads it from Liger's apply function, so the report names
@@ -233,7 +237,31 @@ def test_liger_kernels_are_the_model_familys_own(model_type, eager, compiled, ti
                                                     "fused_linear_cross_entropy": False})
         mine = plan(CUDA_H100, info, "fast", only_geglu)["liger"]
         assert mine.applied == "geglu" and not liger.fused_loss_elsewhere(mine)
+    # both cross-entropies on (a user's cross_entropy=True over a fused-loss default): Liger would refuse at train()
+    both = make_args(liger_kernel_config={"cross_entropy": True})
+    if model_type != "granite":
+        with pytest.raises(SpeedupConfigError, match=r"liger_kernel_config = \{'cross_entropy': True\}: .*both "
+                                                     r"cross_entropy and fused_linear_cross_entropy.*fix: add"):
+            plan(CUDA_H100, info, "fast", both)
 
+
+
+def test_under_trl_beside_compiled_blocks_only_the_loss_kernels_stay(tiny_model, monkeypatch):
+    """Granite under TRL's SFTTrainer with compiled blocks: TRL keeps Liger's plain cross-entropy on (it turns only
+    the fused loss off), so Liger stays on for it, with every layer kernel switched off in liger_kernel_config."""
+    from dataclasses import replace
+
+    from hf_speedup.model_info import describe_model
+
+    trl = pytest.importorskip("trl")
+    monkeypatch.setattr(liger, "installed", lambda: True)
+    monkeypatch.setattr(liger, "apply_functions", _liger_apply_functions)
+    args = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to=[])
+    info = replace(describe_model(tiny_model), model_type="granite")
+    d = plan(CUDA_H100, info, "fast", args)["liger"]
+    assert d.applied == "cross_entropy" and "SFTConfig.use_liger_kernel with liger_kernel_config" in d.reason
+    config = liger.training_args(d, args)["liger_kernel_config"]
+    assert not any(config.values()) and {"rms_norm", "rope", "swiglu"} <= config.keys()
 
 def test_liger_cross_entropy_alone_is_verified_in_torch(tiny_model, monkeypatch):
     """Granite beside compiled blocks: Liger's plain cross-entropy replaces torch.nn.functional.cross_entropy and
@@ -244,6 +272,8 @@ def test_liger_cross_entropy_alone_is_verified_in_torch(tiny_model, monkeypatch)
 
     decision = SimpleNamespace(active=True, reason="", applied="cross_entropy")
     trainer = SimpleNamespace(model=tiny_model, args=SimpleNamespace(use_liger_kernel=True))
+    # torch's own (Liger patches it process-wide: an earlier run in this process may have)
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", _function_from("torch.nn.functional", "cross_entropy"))
     assert liger.verify(decision, trainer, None)[0] is False
     monkeypatch.setattr(torch.nn.functional, "cross_entropy", _function_from("liger_kernel.transformers.functional",
                                                                               "liger_cross_entropy"))

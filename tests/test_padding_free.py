@@ -200,6 +200,33 @@ def test_sdpa_varlen_takes_grouped_keys_as_they_are_and_keeps_only_them_for_back
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
+
+def test_grouped_sdpa_varlen_compiles_whole_and_its_fake_matches_the_op():
+    """The grouped-heads probe runs at registration, outside any trace (inside, its tensor checks broke a fullgraph
+    compile); the backward op's fake outputs have the real op's shapes and strides (opcheck)."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.testing import CompileCounter
+
+    from hf_speedup.features.attention import sdpa_varlen
+
+    sdpa_varlen._GQA.clear()
+    sdpa_varlen.register()
+    assert "cpu" in sdpa_varlen._GQA
+    module = SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    counter = CompileCounter()
+    fn = torch.compile(lambda q, k, v, p: sdpa_varlen.attention_forward(module, q, k, v, None, scaling=0.25,
+                                                                       position_ids=p)[0].sum(),
+                       backend=counter, fullgraph=True, dynamic=True)
+    pos = torch.cat([torch.arange(n) for n in (5, 9)])[None]
+    q = torch.randn(1, 14, 4, 8).transpose(1, 2)
+    k, v = (torch.randn(1, 14, 2, 8).transpose(1, 2) for _ in range(2))
+    fn(q, k, v, pos)
+    assert counter.frame_count == 1
+    out, lse = torch.ops.hf_speedup.sdpa_varlen(q, k, v, pos, 0.25)
+    torch.library.opcheck(torch.ops.hf_speedup.sdpa_varlen_backward.default,
+                          (torch.randn_like(out), q, k, v, out, lse, pos, 0.25), test_utils=("test_faketensor",))
+
 def test_sdpa_varlen_compiles_into_one_graph_for_every_row_length():
     """An opaque op: no graph break, no data-dependent shape; new lengths and sequence counts do not recompile."""
     from torch._dynamo.testing import CompileCounter

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from ..blocks import unwrap_model
 from ..compat import is_trl_sft_config
+from ..config import SpeedupConfigError
 from ..plan_types import OFF, Decision, Outcome, PlanContext
 
 NAME = "liger"
@@ -80,8 +81,12 @@ def kernel_switches(model_type: str | None) -> dict[str, bool]:
     if function is None:
         return dict(LLAMA_SWITCHES)
     parameters = inspect.signature(function).parameters
-    return {n: p.default for n, p in parameters.items() if isinstance(p.default, bool) and n in (*LAYER_KERNELS,
-                                                                                                   *LOSS_KERNELS)}
+    named = {n: p.default for n, p in parameters.items() if isinstance(p.default, bool) and n in (*LAYER_KERNELS,
+                                                                                                    *LOSS_KERNELS)}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        # a vision-language wrapper (LLaVA) hands the rest to its text model's function: Llama-style kernels
+        named = {**{k: v for k, v in LLAMA_SWITCHES.items() if k in LAYER_KERNELS}, **named}
+    return named
 
 
 def _on(switches: dict[str, bool], names=(*LAYER_KERNELS, *LOSS_KERNELS)) -> list[str]:
@@ -133,6 +138,12 @@ def decide(ctx: PlanContext) -> Decision:
         merged = {**switches, **{k: v for k, v in dict(users).items() if k in switches and not (trl and k ==
                                                                                                  LOSS_KERNEL)}}
         on = _on(merged)
+        if merged.get("cross_entropy") and merged.get(LOSS_KERNEL):
+            raise SpeedupConfigError([
+                f"TrainingArguments.liger_kernel_config = {dict(users)!r}: with {model_type!r}'s defaults it switches "
+                "on both cross_entropy and fused_linear_cross_entropy, which Liger refuses when train() starts "
+                "(\"cannot both be True\"); allowed: one of them; fix: add \"fused_linear_cross_entropy\": False, or "
+                "drop \"cross_entropy\": True"])
         if not on:
             return off(f"TrainingArguments.liger_kernel_config={dict(users)!r} switches every kernel {model_type!r} "
                        "has off: off")
@@ -140,23 +151,25 @@ def decide(ctx: PlanContext) -> Decision:
         loss_by = "trl" if trl else ("liger" if merged.get(LOSS_KERNEL) else None)
         return Decision(NAME, requested=asked, applied=",".join(on), reason=reason,
                         settings=Settings(enabled=True, model_type=model_type, loss_by=loss_by))
-    if trl:
-        reason += (f"Liger's layer kernels ({', '.join(_on(switches))}) via SFTConfig.use_liger_kernel; TRL's "
-                   "SFTTrainer turns Liger's fused linear cross-entropy off, its own fused LM head computes the loss "
-                   "without the full logits (TRL 1.16 marks use_liger_kernel deprecated, for Hub kernels)")
-        applied, loss_by = ",".join(_on(switches)), "trl"
-    elif compiled:
+    if compiled:
         loss = _on(switches, LOSS_KERNELS)
         left = _on(switches, LAYER_KERNELS)
         reason += (f"Liger's {' and '.join(loss)} only"
                    f"{' (the full logits are never stored)' if LOSS_KERNEL in loss else ''}, via "
-                   "TrainingArguments.use_liger_kernel with liger_kernel_config; its layer kernels "
-                   f"({', '.join(left) or 'none'}) left out: the blocks are compiled, inductor fuses those ops itself, "
-                   "and Liger's Triton autograd functions inside a compiled block fail dynamo's trace (every block "
-                   "would run eager)")
+                   f"{'SFTConfig' if trl else 'TrainingArguments'}.use_liger_kernel with liger_kernel_config; its "
+                   f"layer kernels ({', '.join(left) or 'none'}) left out: the blocks are compiled, inductor fuses "
+                   "those ops itself, and Liger's Triton autograd functions inside a compiled block fail dynamo's "
+                   "trace (every block would run eager)")
         return Decision(NAME, requested=asked, applied=",".join(loss), reason=reason,
                         settings=Settings(enabled=True, model_type=model_type, kernel_config=layers_off,
-                                          loss_by="liger" if LOSS_KERNEL in loss else None))
+                                          loss_by="trl" if trl else ("liger" if LOSS_KERNEL in loss else None)))
+    if not _on(switches):
+        return off(f"Liger has no kernel switched on for {model_type!r}{' under TRL' if trl else ''}: off")
+    if trl:
+        reason += (f"Liger's {', '.join(_on(switches))} via SFTConfig.use_liger_kernel; TRL's SFTTrainer turns "
+                   "Liger's fused linear cross-entropy off, its own fused LM head computes the loss without the "
+                   "full logits (TRL 1.16 marks use_liger_kernel deprecated, for Hub kernels)")
+        applied, loss_by = ",".join(_on(switches)), "trl"
     else:
         on = _on(switches)
         reason += (f"Liger's {', '.join(on)}{' (the full logits are never stored)' if LOSS_KERNEL in on else ''} via "

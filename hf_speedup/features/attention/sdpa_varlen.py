@@ -111,7 +111,9 @@ def _sum_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 @sdpa_varlen_backward.register_fake
 def _(grad, query, key, value, out, lse, position_ids, scale):
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)  # key/value-shaped, as returned
+    if query.shape[1] != key.shape[1]:  # summed back from the repeated heads: contiguous, as the op returns them
+        return torch.empty_like(query), key.new_empty(key.shape), value.new_empty(value.shape)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 def _setup_context(ctx, inputs, output):
@@ -142,16 +144,13 @@ def native_gqa() -> bool:
     are and only they are kept for backward (repeated per query head they were a copy of each per layer, kept until
     the backward); the backward repeats them for its own call, which runs faster than the grouped one."""
     if "cpu" not in _GQA:
-        q, kv = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, 3, 8, generator=generator) for h in (4, 2, 2))
         try:
-            o, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, kv, kv, 0.0, True, attn_mask=None,
-                                                                       scale=1.0)
-            grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(o, q, kv, kv, o, lse, 0.0, True,
-                                                                              attn_mask=None, scale=1.0)
-            ok = o.shape == q.shape and grads[1].shape == kv.shape and grads[2].shape == kv.shape
-            want = torch.nn.functional.scaled_dot_product_attention(q, kv.expand(1, 2, 3, 8), kv.expand(1, 2, 3, 8),
-                                                                    is_causal=True, scale=1.0)
-            ok = ok and torch.allclose(o, want, atol=1e-5)
+            o, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, attn_mask=None, scale=1.0)
+            want = torch.nn.functional.scaled_dot_product_attention(  # query head h reads key/value head h // 2
+                q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True, scale=1.0)
+            ok = o.shape == q.shape and torch.allclose(o, want, atol=1e-5)
         except (RuntimeError, ValueError):  # an older kernel that wants equal head counts
             ok = False
         _GQA["cpu"] = ok
@@ -191,13 +190,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     position_ids = kwargs.get("position_ids")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_len = query.shape[2]
-    direct = (attention_mask is None and causal and not dropout and q_len == key.shape[2] and q_len > 1
-              and query.device.type == "cpu" and _one_head_size(module, query, value))
-    if direct and position_ids is None:
+    eligible = (attention_mask is None and causal and not dropout and q_len == key.shape[2] and q_len > 1
+                and query.device.type == "cpu")
+    if eligible and position_ids is None:
         raise RuntimeError(
             f"attention sdpa_varlen: {type(module).__name__} did not pass position_ids to its attention call, so "
             "the sequences of a padding-free row cannot be told apart; fix: set attention.implementation: sdpa")
-    if not direct:
+    if not (eligible and _one_head_size(module, query, value)):
         if attention_mask is None and causal and position_ids is not None and q_len == key.shape[2] and q_len > 1:
             attention_mask = packed_causal_mask(position_ids)  # exact for packed rows, plain causal otherwise
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -226,9 +225,12 @@ def mask_function(*args, **kwargs):
 
 
 def register() -> str:
-    """Make ``sdpa_varlen`` a transformers attention implementation (idempotent); returns its name."""
+    """Make ``sdpa_varlen`` a transformers attention implementation (idempotent); returns its name. Probes the
+    kernel's grouped heads here, outside any trace (the probe's tensor checks would break a fullgraph compile)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+
+    native_gqa()
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask_function)

@@ -82,9 +82,9 @@ def time_implementations(s: dict, names, device: str, weight_dtype: torch.dtype,
     router = nn.Linear(s["hidden"], s["experts"], bias=False).to(device=device, dtype=weight_dtype)
     # a new batch (so a new routing, new per-expert token counts) for every timed call: training never sees one
     # routing twice, and the loop's GEMM shapes follow the token counts
-    inputs = iter([torch.randn(s["tokens"], s["hidden"], device=device, dtype=weight_dtype, requires_grad=True)
-                   for _ in range((REPEATS + 1) * len(names))])
-    x = next(inputs)
+    inputs = (torch.randn(s["tokens"], s["hidden"], device=device, dtype=weight_dtype, requires_grad=True)
+              for _ in range((REPEATS + 1) * len(names)))  # made one at a time
+    x = None
     autocast = torch.autocast(torch.device(device).type, dtype=compute_dtype) if compute_dtype != weight_dtype \
         else contextlib.nullcontext()
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
