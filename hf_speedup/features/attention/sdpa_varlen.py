@@ -82,6 +82,7 @@ def sdpa_varlen_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Ten
                          out: torch.Tensor, lse: torch.Tensor, position_ids: torch.Tensor,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups = query.shape[1] // key.shape[1]
+    grouped_key, grouped_value = key, value
     if groups > 1:  # the kernel's grouped backward measured ~12% slower than repeating here and summing after
         key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
@@ -92,8 +93,10 @@ def sdpa_varlen_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Ten
         dq[rows, :, s:e] = gq
         dk[rows, :, s:e] = gk
         dv[rows, :, s:e] = gv
-    if groups > 1:  # each key/value head's gradient: the sum over the query heads that shared it
-        dk, dv = _sum_heads(dk, groups), _sum_heads(dv, groups)
+    if groups > 1:  # each key/value head's gradient: the sum over the query heads that shared it, laid out like
+        # the key/value it is for (the fake's empty_like: inductor holds the op to that layout)
+        dk = torch.empty_like(grouped_key).copy_(_sum_heads(dk, groups))
+        dv = torch.empty_like(grouped_value).copy_(_sum_heads(dv, groups))
     return dq, dk, dv
 
 
@@ -111,8 +114,6 @@ def _sum_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 @sdpa_varlen_backward.register_fake
 def _(grad, query, key, value, out, lse, position_ids, scale):
-    if query.shape[1] != key.shape[1]:  # summed back from the repeated heads: contiguous, as the op returns them
-        return torch.empty_like(query), key.new_empty(key.shape), value.new_empty(value.shape)
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
