@@ -196,7 +196,10 @@ def test_the_door_times_each_kernel_at_the_models_shapes_once(tmp_path, monkeypa
     monkeypatch.setenv(measured.MEASURE_ENV, "1")
     info = describe_model(build("qwen3_moe"))
     caps = fake_caps(**CPU_NO_BF16)
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
     first = experts.measure(get_preset("auto"), caps, info)["experts.kernel"]
+    assert torch.equal(torch.get_rng_state(), state)  # the timing seeds and draws on a fork: the caller's RNG as it was
     assert set(first.value) == {"eager", "batched_mm", "grouped_mm"}
     assert all(isinstance(v, float) and v > 0 for v in first.value.values())
     assert "hidden 32, expert width 32, 4 experts, top-2, 1024 tokens, fp32" in first.what and not first.cached

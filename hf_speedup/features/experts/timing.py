@@ -131,7 +131,10 @@ def time_implementations(s: dict, names, device: str, weight_dtype: torch.dtype,
 
 def measurement(s: dict, names, device: str, weight_dtype: torch.dtype, compute_dtype: torch.dtype,
                 where: str) -> Measurement:
-    table = time_implementations(s, names, device, weight_dtype, compute_dtype)
+    cuda = torch.device(device)
+    devices = [cuda.index if cuda.index is not None else torch.cuda.current_device()] if cuda.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # the caller's random state is left as it was (seeds, dropout)
+        table = time_implementations(s, names, device, weight_dtype, compute_dtype)
     dtype = short_name(compute_dtype) if compute_dtype == weight_dtype else \
         f"{short_name(weight_dtype)} weights under {short_name(compute_dtype)} autocast"
     what = (f"one MoE layer forward+backward at the model's shapes (hidden {s['hidden']}, expert width {s['width']}, "
