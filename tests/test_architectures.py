@@ -50,7 +50,8 @@ def _config(name: str):
         "olmoe": lambda: T.OlmoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2),
         # mixtures of experts whose first block is dense: the experts are in the second block only
         "deepseek_v3": lambda: T.DeepseekV3Config(  # latent attention too: values narrower than queries and keys
-            **{**DECODER, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            **{**DECODER, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=1, topk_group=1,
             first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
             v_head_dim=8),
         "qwen2_moe": lambda: T.Qwen2MoeConfig(**DECODER, num_experts=4, num_experts_per_tok=2,

@@ -30,8 +30,9 @@ PACKAGE = "liger_kernel"
 logger = logging.getLogger("hf_speedup")
 
 
-# the kernel switches of Liger's apply_liger_kernel_to_<model> functions (each takes the ones its model has; transformers
-# drops the names it does not take): the layer kernels run inside the decoder blocks, the loss kernels at the head
+# the kernel switches of Liger's apply_liger_kernel_to_<model> functions (each takes the ones its model has;
+# transformers drops the names it does not take): the layer kernels run inside the decoder blocks, the loss kernels
+# at the head
 LAYER_KERNELS = ("rms_norm", "rope", "swiglu", "geglu", "layer_norm", "relu_squared")
 LOSS_KERNEL = "fused_linear_cross_entropy"
 LOSS_KERNELS = (LOSS_KERNEL, "cross_entropy")  # cross_entropy still computes the full logits
@@ -127,10 +128,10 @@ def decide(ctx: PlanContext) -> Decision:
     if compiled and not _on(switches, LOSS_KERNELS):
         why = ("TRL's SFTTrainer applies only Liger's layer kernels" if trl else
                f"Liger's kernels for {model_type!r} are its layer kernels only")
-        why += (f" ({', '.join(_on(switches))}), and the blocks are compiled: inductor fuses those ops itself, and Liger's "
-                "Triton autograd functions inside a compiled block fail dynamo's trace (every block would run eager): "
-                "off (liger_kernel_config switches every kernel off, so a use_liger_kernel=True already in the "
-                f"{'SFTConfig' if trl else 'TrainingArguments'} patches nothing)")
+        why += (f" ({', '.join(_on(switches))}), and the blocks are compiled: inductor fuses those ops itself, and "
+                "Liger's Triton autograd functions inside a compiled block fail dynamo's trace (every block would "
+                "run eager): off (liger_kernel_config switches every kernel off, so a use_liger_kernel=True already in "
+                f"the {'SFTConfig' if trl else 'TrainingArguments'} patches nothing)")
         decision = off(why)
         everything_off = layers_off + tuple((k, False) for k in LOSS_KERNELS)
         return replace(decision, settings=Settings(model_type=model_type, kernel_config=everything_off))
@@ -236,7 +237,8 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return False, "args.use_liger_kernel=True; not patched yet (transformers applies Liger when train() starts)"
     loss_text = ("fused linear cross-entropy" if parts["fused_loss"] else
                  "Liger cross-entropy" if parts["cross_entropy"] else "stock")
-    text = f"{parts['modules']} Liger module(s) in the model, rotary {'Liger' if parts['rope'] else 'stock'}, loss {loss_text}"
+    rotary = "Liger" if parts["rope"] else "stock"
+    text = f"{parts['modules']} Liger module(s) in the model, rotary {rotary}, loss {loss_text}"
     planned = (getattr(decision, "applied", None) or ",".join(_on(LLAMA_SWITCHES))).split(",")
     layers = [k for k in planned if k in LAYER_KERNELS]
     if layers:

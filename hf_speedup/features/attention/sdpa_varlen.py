@@ -84,7 +84,9 @@ def sdpa_varlen_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Ten
     groups = query.shape[1] // key.shape[1]
     grouped_key, grouped_value = key, value
     if groups > 1:  # the kernel's grouped backward measured ~12% slower than repeating here and summing after
-        key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
+        from transformers.integrations.sdpa_attention import repeat_kv
+
+        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     for rows, s, e in _segments(position_ids, query.shape[0]):
         gq, gk, gv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -100,14 +102,8 @@ def sdpa_varlen_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Ten
     return dq, dk, dv
 
 
-def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, KV, T, D) -> (B, KV * groups, T, D), query head h reading key/value head h // groups (transformers'
-    repeat_kv)."""
-    b, kv, t, d = x.shape
-    return x[:, :, None].expand(b, kv, groups, t, d).reshape(b, kv * groups, t, d)
-
-
 def _sum_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of transformers' repeat_kv for gradients: query head h used key/value head h // groups."""
     b, h, t, d = x.shape
     return x.view(b, h // groups, groups, t, d).sum(2)
 
