@@ -64,6 +64,17 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def block_layouts(blocks: list[nn.Module]) -> list[tuple[int, nn.Module]]:
+    """(count, first such block) per distinct block structure (class, parameter names and shapes, adapters left
+    out), in order: mixtures of experts may begin with dense blocks (DeepSeek-V3's first_k_dense_replace,
+    Qwen2-MoE's mlp_only_layers) or alternate (Llama 4), so one block does not describe them all."""
+    groups: dict = {}
+    for b in blocks:
+        key = (type(b), tuple((n, tuple(p.shape)) for n, p in b.named_parameters() if "lora_" not in n))
+        groups.setdefault(key, [0, b])[0] += 1
+    return [(count, b) for count, b in groups.values()]
+
+
 def find_block_class(model: nn.Module) -> type | None:
     """The class of the (first) repeated block, for wrap policies that want a type."""
     blocks = find_blocks(model)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .blocks import block_class_names, find_blocks, unwrap_model
+from .blocks import block_class_names, block_layouts, find_blocks, unwrap_model
 from .dtypes import long_name
 from .model_parts import (attention_softcap, expert_parameters, experts_implementation, experts_modules, head_kind,
                           head_modules, miscounted_loss, routers, value_head_dim)
@@ -200,18 +200,12 @@ def _compiled_whole(model: nn.Module) -> bool:
 
 
 def _block_parts(blocks) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """Linear leaf names (routers left out), fused expert weights and routers over every block: mixtures of experts
-    may begin with dense blocks (DeepSeek-V3's first_k_dense_replace, Qwen2-MoE's mlp_only_layers) or alternate
-    (Llama 4), so the first block alone would miss the experts."""
+    """Linear leaf names (routers left out), fused expert weights and routers over every block layout: the first
+    block alone would miss the experts of a mixture that begins with dense blocks."""
     linear_names: list[str] = []
     experts: list[str] = []
     found_routers: list[str] = []
-    seen: set = set()
-    for b in blocks:
-        layout = (type(b), tuple(n for n, _ in b.named_parameters()))
-        if layout in seen:  # the same structure as a block already read
-            continue
-        seen.add(layout)
+    for _, b in block_layouts(blocks):
         block_routers = routers(b)
         found_routers += [r for r in block_routers if r not in found_routers]
         experts += [e for e in expert_parameters(b) if e not in experts]

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from .blocks import find_blocks, unwrap_model
+from .blocks import block_layouts, find_blocks, unwrap_model
 
 SMALL_PARAM = 4096  # bitsandbytes' min_8bit_size: smaller tensors keep 32-bit optimizer state
 
@@ -163,13 +163,10 @@ def model_shape(model: nn.Module) -> ModelShape | None:
 
 def _layouts(blocks) -> tuple:
     """(count, block_linears, block_experts) per distinct block layout, where there is more than one."""
-    groups: dict = {}
-    for b in blocks:
-        key = (type(b), tuple((n, tuple(p.shape)) for n, p in b.named_parameters() if "lora_" not in n))
-        groups.setdefault(key, [0, b])[0] += 1
-    if len(groups) < 2:
+    layouts = block_layouts(blocks)
+    if len(layouts) < 2:
         return ()
-    return tuple((count, _block_linears(b), _block_experts(b)) for count, b in groups.values())
+    return tuple((count, _block_linears(b), _block_experts(b)) for count, b in layouts)
 
 
 def _block_experts(block: nn.Module) -> tuple[tuple[str, int, int, int], ...]:
