@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .config import SpeedupConfig
+from .config import SpeedupConfig, SpeedupConfigError
 from .features import FEATURES
 from .hardware import Capabilities, probe
 from .measured import measuring_enabled, shared_across_ranks
@@ -25,6 +25,8 @@ def build_plan(config: SpeedupConfig, caps: Capabilities, model: ModelInfo | Non
     """Decide every feature for a resolved ``config`` on the machine ``caps`` describes, for the model facts
     ``model`` (None: planned without a model) and the user's TrainingArguments ``args`` (None: without them)."""
     _check_inputs(config, caps, model)
+    if problems := cpu_world_problems(caps, args):
+        raise SpeedupConfigError(problems)
     ctx = PlanContext(config=config, caps=caps, model=model, args=args)
     for feature in FEATURES:
         ctx.decisions[feature.NAME] = feature.decide(ctx)
@@ -56,6 +58,18 @@ def measure(config: SpeedupConfig, caps: Capabilities, model: ModelInfo | None) 
         return found
 
     return dataclasses.replace(caps, measured={**shared_across_ranks(each_feature), **caps.measured})
+
+
+def cpu_world_problems(caps: Capabilities, args: Any) -> list[str]:
+    """Several processes on CPUs need ``use_cpu=True``: without it TrainingArguments set up no process group, each
+    rank takes itself for the whole world, and the run is silently wrong (every rank trains on all the rows while
+    FSDP shards the model across them, or two ranks race on one checkpoint folder)."""
+    if caps.device_type != "cpu" or caps.world_size < 2 or args is None or getattr(args, "use_cpu", True):
+        return []
+    return [f"TrainingArguments.use_cpu = False on {caps.world_size} CPU processes (WORLD_SIZE={caps.world_size}): "
+            "without it each rank takes itself for the whole world (TrainingArguments.world_size = 1), so every rank "
+            "trains on all the rows and saves into the same output_dir, while FSDP or DeepSpeed shard across the "
+            "ranks; allowed: use_cpu=True for several processes on CPUs; fix: TrainingArguments(use_cpu=True, ...)"]
 
 
 def _check_inputs(config: Any, caps: Any, model: Any) -> None:

@@ -110,8 +110,8 @@ def test_several_cpu_processes_without_use_cpu_are_refused_with_the_fix(monkeypa
     args = ds_args(make_args, zero(2))
     monkeypatch.setattr(args, "use_cpu", False, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SpeedupConfigError, match=r"TrainingArguments.use_cpu = False with DeepSpeed on 2 CPU "
-                                                  r"processes: .*fix: TrainingArguments\(use_cpu=True"):
+    with pytest.raises(SpeedupConfigError, match=r"TrainingArguments.use_cpu = False on 2 CPU processes "
+                                                  r"\(WORLD_SIZE=2\): .*fix: TrainingArguments\(use_cpu=True"):
         plan_for("auto", fake_caps(**CPU_NO_BF16, world_size=2), tiny_model, args)
 
 

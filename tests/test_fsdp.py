@@ -97,6 +97,20 @@ def test_cpu_processes_are_sharded_by_hf_speedup(tiny_model):
     assert fsdp.training_args(d, None) == {}  # TrainingArguments cannot express it: SpeedupTrainer shards
 
 
+@pytest.mark.parametrize("preset", ["fsdp", "auto", "baseline"])
+def test_several_cpu_processes_without_use_cpu_are_refused_before_any_work(preset, make_args, tiny_model):
+    """Without use_cpu=True each CPU rank's TrainingArguments see a world of one: every rank would train on all the
+    rows (FSDP sharding the model across them regardless) and save into the same folder."""
+    args = make_args()
+    args.use_cpu = False  # a copy would set the process's accelerator state up again
+    with pytest.raises(SpeedupConfigError, match=r"TrainingArguments.use_cpu = False on 2 CPU processes "
+                                                  r"\(WORLD_SIZE=2\): .*every rank trains on all the rows.*allowed: "
+                                                  r"use_cpu=True .*fix: TrainingArguments\(use_cpu=True"):
+        plan_for(preset, fake_caps(**CPU2), tiny_model, args)
+    args.use_cpu = True
+    assert plan_for(preset, fake_caps(**CPU2), tiny_model, args)["fsdp"].active is (preset == "fsdp")
+
+
 def test_fsdp1_on_cpu_becomes_fsdp2_and_says_so():
     d = plan_for(fsdp_cfg(version=1), fake_caps(**CPU2))["fsdp"]
     assert d.settings.version == 2

@@ -101,11 +101,6 @@ def _refuse_what_cannot_hold(ctx: PlanContext, s: Settings) -> None:
     if ctx.config.fsdp.enabled is True:
         problems.append(f"fsdp.enabled = True with a DeepSpeed config ({s.source}); allowed: one sharding engine; "
                         "fix: a preset without FSDP (auto, fast, memory, lora), or drop the DeepSpeed config")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if ctx.caps.device_type == "cpu" and world > 1 and not getattr(ctx.args, "use_cpu", False):
-        problems.append(f"TrainingArguments.use_cpu = False with DeepSpeed on {world} CPU processes: without it each "
-                        "rank takes itself for the whole world (world size 1) and DeepSpeed stops on its batch-size "
-                        "check; allowed: use_cpu=True for DeepSpeed on CPUs; fix: TrainingArguments(use_cpu=True, ...)")
     if problems:
         raise SpeedupConfigError(problems)
 
