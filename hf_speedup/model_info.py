@@ -10,7 +10,7 @@ from torch import nn
 from .blocks import block_class_names, block_layouts, find_blocks, unwrap_model
 from .dtypes import long_name
 from .model_parts import (attention_softcap, expert_parameters, experts_implementation, experts_modules, head_kind,
-                          head_modules, miscounted_loss, routers, value_head_dim)
+                          head_modules, loss_takes_own_mean, miscounted_loss, routers, value_head_dim)
 from .model_shape import ModelShape, held_weights, model_shape, owners
 
 
@@ -39,6 +39,7 @@ class ModelInfo:
     head: str = "none"  # the task head (model_parts.head_kind): causal_lm, masked_lm, sequence_classification, ...
     head_modules: tuple[str, ...] = ()  # top-level modules outside the backbone (score, classifier, lm_head)
     miscounted_loss: str = ""  # why the stock Trainer's padded loss is not the mean over the real targets
+    loss_own_mean: str = ""  # why the Trainer's token-count scaling is wrong for this head (model_parts)
     attn_implementation: str | None = None  # config._attn_implementation of the live model
     attention_kernels: tuple[str, ...] = ()  # what the class declares: sdpa, flash_attention, flex_attention, interface
     packed_sequences: bool = False  # padding-free rows (position_ids restarting per sequence) are kept apart
@@ -251,6 +252,7 @@ def describe_model(model: nn.Module) -> ModelInfo:
         head=head_kind(unwrap_model(model)),
         head_modules=head_modules(unwrap_model(model)),
         miscounted_loss=miscounted_loss(unwrap_model(model)),
+        loss_own_mean=loss_takes_own_mean(unwrap_model(model)),
         **attention_facts(model),
         shape=model_shape(model),
     )

@@ -150,3 +150,48 @@ def miscounted_loss(model: nn.Module) -> str:
             "by every label, the first token of each row included (no token predicts it): its loss is lower than "
             "the mean over the real targets by the factor targets/labels; padding-free rows count only the real "
             "targets")
+
+
+def loss_takes_own_mean(model: nn.Module) -> str:
+    """Why the stock Trainer scales this model's loss wrongly ("" where it does not, or where that cannot be told).
+
+    The Trainer reads a ``forward(**kwargs)`` as a loss that takes ``num_items_in_batch`` (the batch's target count
+    over every micro-batch and process): it passes the count, skips the division by ``gradient_accumulation_steps``
+    and multiplies by the number of processes. Many heads (classification, BERT's masked LM, T5/BART) accept
+    ``**kwargs`` but compute their own mean, so their loss and gradients come out ``gradient_accumulation_steps x
+    processes`` times too large. Read from transformers' own forward code: only where every loss call in it takes
+    neither ``**kwargs`` nor ``num_items_in_batch``; a model that declares ``accepts_loss_kwargs``, or whose forward
+    is not transformers' code, is left to the Trainer's rule."""
+    import ast
+    import inspect
+    import textwrap
+
+    cls = type(model)
+    if any("accepts_loss_kwargs" in vars(k) for k in cls.__mro__):
+        return ""
+    forward = inspect.unwrap(getattr(cls, "forward", None) or (lambda: None))
+    if not getattr(forward, "__module__", "").startswith("transformers."):
+        return ""
+    try:
+        params = inspect.signature(forward).parameters.values()
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return ""
+    if not any(p.kind == p.VAR_KEYWORD for p in params):
+        return ""  # the Trainer passes nothing: its own rule is right
+    if any(isinstance(n, ast.Name) and n.id == "num_items_in_batch" or
+           isinstance(n, ast.Constant) and n.value == "num_items_in_batch" for n in ast.walk(tree)):
+        return ""
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and "loss" in _callee(n.func).lower()]
+    if not calls or any(k.arg is None or k.arg == "num_items_in_batch" for c in calls for k in c.keywords):
+        return ""
+    return (f"{cls.__name__}'s loss is its own mean (it takes no num_items_in_batch), so the stock Trainer's "
+            "token-count scaling would skip the division by gradient_accumulation_steps and multiply by the number "
+            "of processes: its loss and gradients would be that many times too large")
+
+
+def _callee(func) -> str:
+    """The called name: ``self.loss_function`` -> ``loss_function``, ``CrossEntropyLoss`` -> itself."""
+    import ast
+
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""

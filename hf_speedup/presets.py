@@ -17,6 +17,7 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         {"precision": {"dtype": "keep", "tf32": "keep"}, "optimizer": {"name": "keep"},
          "interrupt": {"enabled": False},  # signals keep their default action, as with the stock Trainer
          "attention": {"implementation": "keep"}, "experts": {"implementation": "keep"},
+         "loss": {"scaling": "stock"},  # the stock Trainer's loss scaling, wrong where a head takes its own mean
          # output_dir, the logs and stdout as the stock Trainer leaves them: the report stays in memory
          "report": {"path": None, "trackers": False, "console": False}},
     ),

@@ -258,6 +258,7 @@ def test_liger_feature_does_the_job_where_it_is_on():
 @pytest.mark.parametrize("field, value, message", [
     ("chunked", "yes", r"loss.chunked = 'yes' is not allowed; allowed: 'auto', True, False"),
     ("chunk_tokens", 0, r"loss.chunk_tokens = 0 is not allowed; allowed: an integer >= 1"),
+    ("scaling", "mean", r"loss.scaling = 'mean' is not allowed; allowed: 'auto', 'stock'"),
 ])
 def test_bad_loss_config_names_the_field(field, value, message):
     with pytest.raises(SpeedupConfigError, match=message):
@@ -447,5 +448,85 @@ def test_planned_only_for_a_causal_lm_head(head):
     d = plan_for("memory", caps=fake_caps(**CPU_NO_BF16), model=model)["loss"]
     assert d.applied == "off" and d.fallbacks == ()
     kind = "a masked-LM head" if head.startswith("Bert") else "a sequence-classification head"
-    assert d.reason == (f"not applicable: {head} has {kind}; the chunked loss replaces a causal LM's lm_head and "
-                        "shifted cross-entropy (the stock loss is kept)")
+    assert d.reason.startswith(f"not applicable: {head} has {kind}; the chunked loss replaces a causal LM's lm_head "
+                               "and shifted cross-entropy (the stock loss is kept)")
+
+
+# ------------------------------------------------------------------------------- scaling of own-mean heads
+@pytest.mark.parametrize("cls, own_mean", [
+    ("LlamaForCausalLM", False), ("MixtralForCausalLM", False), ("GPT2LMHeadModel", False),
+    ("ModernBertForMaskedLM", False), ("LlamaForQuestionAnswering", False),  # their loss takes **kwargs
+    ("LlamaForSequenceClassification", True), ("LlamaForTokenClassification", True), ("BertForMaskedLM", True),
+    ("BertForSequenceClassification", True), ("T5ForConditionalGeneration", True),
+])
+def test_heads_whose_loss_is_their_own_mean_are_read_from_transformers_code(cls, own_mean):
+    import transformers
+
+    from hf_speedup.model_parts import loss_takes_own_mean
+
+    model = getattr(transformers, cls).__new__(getattr(transformers, cls))  # the class's code is what is read
+    assert bool(loss_takes_own_mean(model)) is own_mean
+
+
+def test_models_that_declare_it_or_are_not_transformers_code_keep_the_trainers_rule():
+    import transformers
+
+    from hf_speedup.model_parts import loss_takes_own_mean
+
+    class Declared(transformers.BertForSequenceClassification):
+        accepts_loss_kwargs = True
+
+    class Custom(torch.nn.Module):
+        def forward(self, x, labels=None, **kwargs):
+            return torch.nn.functional.mse_loss(x, labels)
+
+    assert loss_takes_own_mean(Declared.__new__(Declared)) == ""
+    assert loss_takes_own_mean(Custom()) == ""  # what its **kwargs feed cannot be told: the Trainer's rule stays
+
+
+def _classifier_step(make_args, speedup, batch_size, accumulation):
+    """One SGD step of a tiny BERT classifier on 4 rows; (logged loss, size of the weight update)."""
+    import transformers
+    from datasets import Dataset
+
+    from hf_speedup import SpeedupTrainer
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     vocab_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, num_labels=3)
+    model = transformers.BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(1)
+    rows = Dataset.from_list([{"input_ids": torch.randint(3, 64, (10,), generator=g).tolist(), "labels": i % 3}
+                              for i in range(4)])
+    args = make_args(max_steps=1, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation,
+                     optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", max_grad_norm=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = SpeedupTrainer(model=model, args=args, train_dataset=rows,
+                             speedup={"base": speedup, "precision": {"dtype": "fp32"}})
+    loss = trainer.train().training_loss
+    moved = sum((p.detach() - b).norm() ** 2 for p, b in zip(model.parameters(), before)) ** 0.5
+    return trainer, loss, float(moved)
+
+
+def test_gradient_accumulation_on_a_classifier_gives_the_whole_batchs_loss_and_update(make_args):
+    """The stock Trainer skips the division by gradient_accumulation_steps for a forward(**kwargs) whose loss is
+    its own mean: ``baseline`` (the stock Trainer) trains on twice the loss at 2 micro-batches; ``auto`` on the
+    whole batch's."""
+    _, whole, whole_update = _classifier_step(make_args, "auto", 4, 1)
+    trainer, loss, update = _classifier_step(make_args, "auto", 2, 2)
+    assert loss == pytest.approx(whole, rel=1e-5) and update == pytest.approx(whole_update, rel=1e-4)
+    assert trainer.model_accepts_loss_kwargs is False
+    entry = trainer.speedup_report.to_dict()["plan"]["loss"]
+    assert "BertForSequenceClassification's loss is its own mean" in entry["reason"]
+    assert entry["reason"].endswith("verified: trainer.model_accepts_loss_kwargs = False (the Trainer's token-count "
+                                    "scaling turned off)")
+    stock, loss, update = _classifier_step(make_args, "baseline", 2, 2)
+    assert stock.model_accepts_loss_kwargs is True  # baseline is the stock Trainer, its scaling included
+    assert loss == pytest.approx(2 * whole, rel=1e-5) and update == pytest.approx(2 * whole_update, rel=1e-4)
+
+
+def test_a_causal_lm_keeps_the_trainers_token_count_scaling(make_args, dataset, collator):
+    trainer = train(make_args, dataset, collator, speedup={"base": "auto", "precision": {"dtype": "fp32"}})
+    assert trainer.model_accepts_loss_kwargs is True
+    assert "token-count scaling" not in trainer.speedup_report.to_dict()["plan"]["loss"]["reason"]

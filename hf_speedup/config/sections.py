@@ -108,6 +108,10 @@ class LossSettings:
 
     chunked: Any = AUTO  # auto (the memory budget decides) | true | false
     chunk_tokens: int = 1024  # tokens per chunk: one chunk's fp32 logits are chunk_tokens x vocab x 4 bytes
+    # auto: where the model's loss is its own mean (classification heads, BERT's masked LM, T5/BART), the Trainer's
+    # token-count scaling is turned off, so gradient accumulation and several processes give the true mean;
+    # stock: the Trainer's rule as it is (its loss is then gradient_accumulation_steps x processes too large there)
+    scaling: Any = AUTO
 
 
 @dataclass

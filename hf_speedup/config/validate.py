@@ -43,6 +43,7 @@ CHOICES: dict[str, tuple[tuple, Any]] = {
     "liger.enabled": ((AUTO, True, False), AUTO),
     "memory.activation_offloading": ((AUTO, True, False), AUTO),
     "loss.chunked": ((AUTO, True, False), True),
+    "loss.scaling": ((AUTO, "stock"), AUTO),
     "interrupt.enabled": ((AUTO, True, False), AUTO),
 }
 

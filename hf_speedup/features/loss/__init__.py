@@ -1,4 +1,5 @@
-"""Chunked cross-entropy: the causal-LM loss without the full-vocabulary logits and their gradient.
+"""Chunked cross-entropy: the causal-LM loss without the full-vocabulary logits and their gradient; and the
+Trainer's loss scaling kept off heads that take their own mean.
 
 With large vocabularies (SmolLM2: 49,152; Llama 3: 128,256) the ``tokens x vocab`` fp32 logits, their
 log-softmax and their gradient are often the largest items at peak. ``loss.chunked`` computes the same
@@ -19,6 +20,14 @@ eval mode, or without labels, the model is exactly the stock one (metrics and ge
 - Not combined with FSDP (the sharded head weight would be read outside its module's forward) nor with
   ``compile.regions: blocks+head`` (which compiles the stock head and loss): reported as fallbacks.
 
+Scaling (``loss.scaling: auto``; ``baseline`` keeps ``stock``): the Trainer takes a ``forward(**kwargs)`` for a
+loss that divides by ``num_items_in_batch``, so it skips the division by ``gradient_accumulation_steps`` and
+multiplies by the number of processes. Heads that take their own mean (classification, BERT's masked LM, T5/BART:
+:func:`hf_speedup.model_parts.loss_takes_own_mean`) would train on a loss that many times too large; there
+``attach`` sets ``trainer.model_accepts_loss_kwargs = False`` (what transformers' own ``accepts_loss_kwargs =
+False`` models get), and the entry's reason says so. It does not change ``applied``/``engaged``, which speak of
+the chunked loss.
+
 Engagement rule: ``engaged`` is True iff the live model has the chunked path installed and a probe
 forward in training mode with labels took it (``logits`` None) and gave the stock loss (fp32: relative
 1e-4); after training steps, also iff the training forwards took it (a trainer that computes its loss
@@ -29,6 +38,7 @@ report reads ``applied: withdrawn``, ``engaged: false``, with the reason, never 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -52,12 +62,26 @@ PROBE_REL = {torch.float32: 1e-4}  # other dtypes: 1e-2
 class Settings:
     chunked: bool = False
     chunk_tokens: int | None = None
+    own_mean: bool = False  # the head takes its own mean: the Trainer's token-count scaling is turned off
 
 
 # ------------------------------------------------------------------------------------------- decide
 def decide(ctx: PlanContext) -> Decision:
     s = ctx.config.loss
-    requested = {"chunked": s.chunked, "chunk_tokens": s.chunk_tokens}
+    requested = {"chunked": s.chunked, "chunk_tokens": s.chunk_tokens, "scaling": s.scaling}
+    decision = _chunking(ctx, requested)
+    why = ctx.model.loss_own_mean if ctx.model is not None and s.scaling == "auto" else ""
+    if not why:
+        return decision
+    return decision.replace(settings=dataclasses.replace(decision.settings, own_mean=True),
+                            reason=f"{decision.reason}; {SCALING_OFF}: {why}")
+
+
+SCALING_OFF = "the Trainer's token-count scaling turned off (model_accepts_loss_kwargs = False)"
+
+
+def _chunking(ctx: PlanContext, requested: dict) -> Decision:
+    s = ctx.config.loss
     if s.chunked is False:
         return Decision(NAME, requested, OFF, settings=Settings(),
                         reason="off in the config: the stock loss materialises the tokens x vocab fp32 logits")
@@ -127,6 +151,22 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
                 type(unwrap_model(setup.model)).__name__, st.chunk_tokens)
 
 
+def attach(decision: Decision, trainer, outcome: Outcome, setup) -> None:
+    """The Trainer read ``model_accepts_loss_kwargs`` from the model's signature in its ``__init__``: a head that
+    takes its own mean gets what an ``accepts_loss_kwargs = False`` model gets."""
+    if decision.settings.own_mean and getattr(trainer, "model_accepts_loss_kwargs", False):
+        trainer.model_accepts_loss_kwargs = False
+        logger.info("hf_speedup loss: %s", SCALING_OFF)
+
+
+def _scaling_note(decision: Decision, trainer) -> str:
+    if not decision.settings.own_mean:
+        return ""
+    if getattr(trainer, "model_accepts_loss_kwargs", None) is False:
+        return f"; verified: trainer.model_accepts_loss_kwargs = False ({SCALING_OFF.split(' (')[0]})"
+    return "; NOT verified: trainer.model_accepts_loss_kwargs is True again (something set it after the trainer was built)"
+
+
 def _not_applied(outcome: Outcome, why: str) -> None:
     logger.warning("hf_speedup loss: chunked loss not applied: %s", why)
     outcome.fallbacks.append(f"chunked: {why}")
@@ -135,6 +175,11 @@ def _not_applied(outcome: Outcome, why: str) -> None:
 
 # ------------------------------------------------------------------------------------------- verify
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
+    engaged, reason = _verify_chunked(decision, trainer, outcome)
+    return engaged, reason + _scaling_note(decision, trainer)
+
+
+def _verify_chunked(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if not decision.settings.chunked:
         return False, decision.reason
     if outcome.withdrawn:
