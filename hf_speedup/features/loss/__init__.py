@@ -164,7 +164,8 @@ def _scaling_note(decision: Decision, trainer) -> str:
         return ""
     if getattr(trainer, "model_accepts_loss_kwargs", None) is False:
         return f"; verified: trainer.model_accepts_loss_kwargs = False ({SCALING_OFF.split(' (')[0]})"
-    return "; NOT verified: trainer.model_accepts_loss_kwargs is True again (something set it after the trainer was built)"
+    return ("; NOT verified: trainer.model_accepts_loss_kwargs is True again (set after the trainer was built): "
+            "the Trainer's token-count scaling applies")
 
 
 def _not_applied(outcome: Outcome, why: str) -> None:
