@@ -560,3 +560,55 @@ def test_a_hub_push_of_the_checkpoint_reads_it_from_its_final_folder(tmp_path, m
     trainer.args.push_to_hub = True  # after the Trainer is built: no hub repository is created
     trainer._save_checkpoint(trainer.model, trial=None)
     assert pushed == [(str(tmp_path / "checkpoint-1"), None)]
+
+
+def _mixtral(seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                        num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.0)
+    return transformers.MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize("speedup", ["baseline", "auto"])
+def test_a_mixture_of_experts_resumes_its_expert_weights(speedup, tmp_path, make_args, dataset, collator):
+    """The stock Trainer writes a checkpoint's experts in transformers' original per-expert layout and loads it back
+    without converting it: a resumed Mixtral kept its fresh expert and router weights (a warning only). The
+    checkpoint now holds the live layout; the resumed run ends with the uninterrupted run's weights and losses."""
+    config = {"base": speedup, "precision": {"dtype": "fp32"}}
+
+    def run(out, seed, **kw):
+        args = make_args(output_dir=str(out), max_steps=4, **SAVES)
+        trainer = SpeedupTrainer(model=_mixtral(seed), args=args, train_dataset=dataset, data_collator=collator,
+                                 speedup=config)
+        trainer.speedup_callback.print_tables = False
+        trainer.train(**kw)
+        return trainer
+
+    whole = run(tmp_path / "whole", seed=0)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "whole" / "checkpoint-2" / "model.safetensors"), "pt") as f:
+        assert any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())  # the layout the model has
+    shutil.rmtree(tmp_path / "whole" / "checkpoint-4")
+    resumed = run(tmp_path / "whole", seed=1, resume_from_checkpoint=True)  # other initial weights: all from disk
+    assert _same_weights(whole, resumed)
+    assert _losses(resumed) == _losses(whole)  # steps 1-2 from the checkpoint's state, 3-4 trained again
+    reloaded = type(whole.model).from_pretrained(str(tmp_path / "whole" / "checkpoint-4"))
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), whole.model.state_dict().values()))
+
+
+def test_a_finished_run_requeued_trains_no_further_step(tmp_path, make_args, dataset, collator):
+    """A job killed after its last save (or a SIGTERM after its last step) is requeued with resume=True: the stock
+    Trainer trained a step past max_steps; the run is left as it finished."""
+    done = _trainer(tmp_path / "run", make_args, dataset, collator, max_steps=4, lr_scheduler_type="constant")
+    done.train()
+    before = {k: v.clone() for k, v in done.model.state_dict().items()}
+    again = _trainer(tmp_path / "run", make_args, dataset, collator, max_steps=4, seed=1,
+                     lr_scheduler_type="constant")
+    again.train(resume_from_checkpoint=True)
+    assert again.state.global_step == 4 and not [e for e in again.state.log_history if e.get("step", 0) > 4]
+    assert all(torch.equal(before[k], v) for k, v in again.model.state_dict().items())
+    assert not (tmp_path / "run" / "checkpoint-5").exists()
