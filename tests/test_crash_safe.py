@@ -612,3 +612,25 @@ def test_a_finished_run_requeued_trains_no_further_step(tmp_path, make_args, dat
     assert again.state.global_step == 4 and not [e for e in again.state.log_history if e.get("step", 0) > 4]
     assert all(torch.equal(before[k], v) for k, v in again.model.state_dict().items())
     assert not (tmp_path / "run" / "checkpoint-5").exists()
+
+
+def test_a_stock_trainers_mixture_of_experts_checkpoint_resumes_with_its_expert_weights(tmp_path, make_args, dataset,
+                                                                                         collator):
+    """A checkpoint the stock Trainer wrote (experts in the original per-expert layout) resumed by SpeedupTrainer:
+    the weights the Trainer's load leaves out are converted through from_pretrained, said in the report."""
+    def args(out):
+        return make_args(output_dir=str(out), max_steps=4, **SAVES)
+
+    stock = Trainer(model=_mixtral(0), args=args(tmp_path / "stock"), train_dataset=dataset, data_collator=collator)
+    stock.train()
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "stock" / "checkpoint-2" / "model.safetensors"), "pt") as f:
+        assert not any(k.endswith("experts.gate_up_proj") for k in f.keys())  # the original layout
+    shutil.rmtree(tmp_path / "stock" / "checkpoint-4")
+    resumed = SpeedupTrainer(model=_mixtral(1), args=args(tmp_path / "stock"), train_dataset=dataset,
+                             data_collator=collator, speedup="baseline")
+    resumed.train(resume_from_checkpoint=True)
+    assert _same_weights(stock, resumed) and _losses(resumed) == _losses(stock)
+    notes = resumed.speedup_report.to_dict()["plan"]["crash_safe"]["reason"]
+    assert "under their original names" in notes and "loaded through from_pretrained" in notes

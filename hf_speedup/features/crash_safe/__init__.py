@@ -23,17 +23,16 @@ How (the Trainer's own save code writes every file; see ``files.py`` for the fol
   step beside it. Anything incomplete on the way (a staging folder, a stock Trainer's half-written
   ``checkpoint-N``) is renamed into ``_incomplete_checkpoints/`` with a warning, and the report lists it.
 
-- A checkpoint holds the weights in the layout the live model has (``save_pretrained(save_original_format=
-  False)``): the stock Trainer writes transformers' original layout (a mixture of experts' per-expert ``w1/w2/w3``)
-  and loads it back without converting it, so a resumed MoE model silently kept its fresh expert weights.
-  ``from_pretrained`` reads either layout; ``save_model()`` keeps the original one.
+- A checkpoint holds the weights in the layout the live model has, and one in transformers' original layout (the
+  stock Trainer's: a mixture of experts' per-expert ``w1/w2/w3``) is resumed through ``from_pretrained`` for the
+  weights the Trainer's plain ``load_state_dict`` leaves out (:mod:`.layout`).
 - A resume from a checkpoint whose run had already reached ``max_steps`` (a finished job requeued, or killed after
   its last save) trains no further step: the stock Trainer trains one more.
 
 What differs from the stock Trainer: nothing in the layout of a finished run (same ``checkpoint-N`` names and
-files; the weights' layout above); while a save runs its files are under ``_checkpoint-N.staging/``; after a crash ``_incomplete_checkpoints/``
-holds what was set aside. ``enabled: false`` restores the stock Trainer's in-place writes (for file systems
-without an atomic directory rename: some object-store mounts).
+files; the weights' layout above); while a save runs its files are under ``_checkpoint-N.staging/``; after a crash
+``_incomplete_checkpoints/`` holds what was set aside. ``enabled: false`` restores the stock Trainer's in-place
+writes (for file systems without an atomic directory rename: some object-store mounts).
 
 Engagement rule: ``engaged`` is True iff the trainer's class has :class:`CrashSafeMixin` and its
 ``_save_checkpoint`` and ``_get_output_dir`` resolve through it (a subclass overriding them must call super).
@@ -49,7 +48,7 @@ from dataclasses import dataclass
 
 from ... import compat
 from ...plan_types import OFF, Decision, Outcome, PlanContext
-from . import files
+from . import files, layout
 
 NAME = "crash_safe"
 APPLIES_TO = "train"
@@ -208,25 +207,6 @@ def _discarded_on_error(root: str, run_dir: str, writer: bool):
         raise
 
 
-@contextlib.contextmanager
-def _saved_as_loaded(trainer):
-    """The checkpoint's weights in the live model's own layout, which the Trainer's resume loads them into with a
-    plain ``load_state_dict``; the original layout (transformers' default) would be left unloaded, with a warning."""
-    import inspect
-
-    models = {id(m): m for m in (trainer.model, trainer.accelerator.unwrap_model(trainer.model))
-              if hasattr(m, "save_pretrained") and "save_original_format" in
-              inspect.signature(type(m).save_pretrained).parameters}.values()
-    for m in models:
-        bound = type(m).save_pretrained.__get__(m)
-        m.save_pretrained = lambda *a, _save=bound, **k: _save(*a, **{"save_original_format": False, **k})
-    try:
-        yield
-    finally:
-        for m in models:
-            vars(m).pop("save_pretrained", None)
-
-
 class CrashSafeMixin:
     """The Trainer methods a staged save needs; pass-throughs when the feature is off."""
 
@@ -250,6 +230,16 @@ class CrashSafeMixin:
             self.control.should_training_stop = True
             return None
         return super()._run_epoch(*args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The Trainer's load, then the weights it left unloaded where the checkpoint is in transformers' original
+        layout (:mod:`.layout`)."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if _on(self) and not getattr(self, "is_deepspeed_enabled", False):
+            target = self.accelerator.unwrap_model(model if model is not None else self.model)
+            if (note := layout.load_original_layout(target, resume_from_checkpoint)) is not None:
+                _, outcome = _state(self)
+                outcome.notes.append(note)
 
     def _get_output_dir(self, trial):
         """During a save, the staging folder: the Trainer writes ``<staging>/checkpoint-N``."""
@@ -281,7 +271,7 @@ class CrashSafeMixin:
         self._speedup_best_as_stock(run_dir, step)
         self._speedup_staging, self._speedup_deferred_push = root, False
         try:
-            with _discarded_on_error(root, run_dir, writer), _saved_as_loaded(self):
+            with _discarded_on_error(root, run_dir, writer), layout.saved_as_loaded(self):
                 super()._save_checkpoint(model, trial)
         finally:
             self._speedup_staging = None
