@@ -574,9 +574,10 @@ def _mixtral(seed: int):
 
 @pytest.mark.parametrize("speedup", ["baseline", "auto"])
 def test_a_mixture_of_experts_resumes_its_expert_weights(speedup, tmp_path, make_args, dataset, collator):
-    """The stock Trainer writes a checkpoint's experts in transformers' original per-expert layout and loads it back
-    without converting it: a resumed Mixtral kept its fresh expert and router weights (a warning only). The
-    checkpoint now holds the live layout; the resumed run ends with the uninterrupted run's weights and losses."""
+    """The Trainer writes a checkpoint's experts in transformers' original per-expert layout and loads it back
+    without converting it: a resumed Mixtral kept its fresh expert and router weights (a warning only). The checkpoint
+    stays as written; the resume loads what the Trainer's load left out through from_pretrained and ends with the
+    uninterrupted run's weights and losses."""
     config = {"base": speedup, "precision": {"dtype": "fp32"}}
 
     def run(out, seed, **kw):
@@ -591,10 +592,11 @@ def test_a_mixture_of_experts_resumes_its_expert_weights(speedup, tmp_path, make
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "whole" / "checkpoint-2" / "model.safetensors"), "pt") as f:
-        assert any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())  # the layout the model has
+        assert not any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())  # the original layout, as stock
     shutil.rmtree(tmp_path / "whole" / "checkpoint-4")
     resumed = run(tmp_path / "whole", seed=1, resume_from_checkpoint=True)  # other initial weights: all from disk
     assert _same_weights(whole, resumed)
+    assert "loaded through from_pretrained" in resumed.speedup_report.to_dict()["plan"]["crash_safe"]["reason"]
     assert _losses(resumed) == _losses(whole)  # steps 1-2 from the checkpoint's state, 3-4 trained again
     reloaded = type(whole.model).from_pretrained(str(tmp_path / "whole" / "checkpoint-4"))
     assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), whole.model.state_dict().values()))

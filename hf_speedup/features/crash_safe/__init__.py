@@ -23,14 +23,14 @@ How (the Trainer's own save code writes every file; see ``files.py`` for the fol
   step beside it. Anything incomplete on the way (a staging folder, a stock Trainer's half-written
   ``checkpoint-N``) is renamed into ``_incomplete_checkpoints/`` with a warning, and the report lists it.
 
-- A checkpoint holds the weights in the layout the live model has, and one in transformers' original layout (the
-  stock Trainer's: a mixture of experts' per-expert ``w1/w2/w3``) is resumed through ``from_pretrained`` for the
-  weights the Trainer's plain ``load_state_dict`` leaves out (:mod:`.layout`).
+- A checkpoint in transformers' original layout (a mixture of experts' per-expert ``w1/w2/w3``, which the
+  Trainer writes and its plain ``load_state_dict`` does not convert back) is resumed through ``from_pretrained``
+  for the weights that load leaves out (:mod:`.layout`).
 - A resume from a checkpoint whose run had already reached ``max_steps`` (a finished job requeued, or killed after
   its last save) trains no further step: the stock Trainer trains one more.
 
 What differs from the stock Trainer: nothing in the layout of a finished run (same ``checkpoint-N`` names and
-files; the weights' layout above); while a save runs its files are under ``_checkpoint-N.staging/``; after a crash
+files); while a save runs its files are under ``_checkpoint-N.staging/``; after a crash
 ``_incomplete_checkpoints/`` holds what was set aside. ``enabled: false`` restores the stock Trainer's in-place
 writes (for file systems without an atomic directory rename: some object-store mounts).
 
@@ -271,7 +271,7 @@ class CrashSafeMixin:
         self._speedup_best_as_stock(run_dir, step)
         self._speedup_staging, self._speedup_deferred_push = root, False
         try:
-            with _discarded_on_error(root, run_dir, writer), layout.saved_as_loaded(self):
+            with _discarded_on_error(root, run_dir, writer):
                 super()._save_checkpoint(model, trial)
         finally:
             self._speedup_staging = None

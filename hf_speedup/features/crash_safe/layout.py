@@ -3,39 +3,20 @@
 transformers 5 converts some models' weights when it loads them (a mixture of experts' per-expert ``w1/w2/w3`` into
 one fused ``experts.gate_up_proj``) and converts them back when it saves (``save_original_format=True``, the
 default). The Trainer's resume loads a checkpoint with a plain ``load_state_dict``, which converts nothing: the
-weights stored under their original names are left at the model's initial values, with a warning only. So
-checkpoints are written in the live layout (:func:`saved_as_loaded`), and a checkpoint in the original layout (the
-stock Trainer's, an earlier version's) is converted through ``from_pretrained`` at resume
+weights stored under their original names are left at the model's initial values, with a warning only. The
+checkpoint stays as the Trainer writes it (loadable wherever the original layout is expected); at resume the weights
+the Trainer's load left out are loaded through ``from_pretrained``, which converts them
 (:func:`load_original_layout`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
 import logging
 import os
 
 logger = logging.getLogger("hf_speedup")
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
-
-
-@contextlib.contextmanager
-def saved_as_loaded(trainer):
-    """The models the Trainer's ``_save`` calls ``save_pretrained`` on write the live layout while this runs."""
-    model = getattr(trainer, "model", None)
-    candidates = (model, trainer.accelerator.unwrap_model(model)) if model is not None else ()
-    models = {id(m): m for m in candidates if hasattr(m, "save_pretrained") and "save_original_format" in
-              inspect.signature(type(m).save_pretrained).parameters}.values()
-    for m in models:
-        bound = type(m).save_pretrained.__get__(m)
-        m.save_pretrained = lambda *a, _save=bound, **k: _save(*a, **{"save_original_format": False, **k})
-    try:
-        yield
-    finally:
-        for m in models:
-            vars(m).pop("save_pretrained", None)
 
 
 def saved_names(folder: str) -> set[str] | None:
