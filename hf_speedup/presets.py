@@ -61,6 +61,21 @@ _PRESETS: dict[str, tuple[str, dict]] = {
             "liger": {"enabled": "auto"},
         },
     ),
+    "long": (
+        "Long sequences: what a block keeps between forward and backward is its input alone (every block "
+        "checkpointed; on CUDA that input waits in pinned host memory, copied on a side stream and prefetched a block "
+        "ahead), and each block's MLP runs over tiles of the sequence, recomputed tile by tile, so its intermediates "
+        "never exist for the whole sequence; chunked cross-entropy (no full logits), padding-free rows, an attention "
+        "kernel whose memory is linear in the length. Compose with LoRA/QLoRA through base: long. Trade-off: slower "
+        "steps (every block recomputed, ~35%), host memory for the block inputs on CUDA.",
+        {
+            "checkpointing": {"enabled": True, "every_n_blocks": 1, "offload": "auto"},
+            "tiled_mlp": {"enabled": True, "tile_tokens": "auto"},
+            "loss": {"chunked": True},
+            "memory": {"expandable_segments": True},
+            "data": {"padding_free": "auto", "pin_memory": True},
+        },
+    ),
     "lora": (
         "Parameter-efficient fine-tuning: LoRA adapters (r=16) on every attention and MLP projection, base frozen. "
         "Trade-off: adapters learn less than a full fine-tune on large domain shifts; optimizer state is tiny.",

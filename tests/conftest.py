@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -234,3 +236,17 @@ def fake_matmul_peak(monkeypatch, cache_dir, flops: float = 5e9) -> list:
 
     monkeypatch.setattr(model_facts, "matmul_peak", lambda *a, **k: matmul_peak(*a, **k, measure=fake_timer))
     return timed
+
+
+@pytest.fixture(scope="session")
+def torch_extensions(tmp_path_factory) -> dict:
+    """DeepSpeed compiles a small C++ shared-memory op on its first CPU run (about 80 s): built once here, in one
+    process, into a folder every launch of the session shares (``TORCH_EXTENSIONS_DIR``; kept where it is set)."""
+    folder = os.environ.get("TORCH_EXTENSIONS_DIR") or str(tmp_path_factory.mktemp("torch_extensions"))
+    from distributed_helpers import ROOT, launch_env
+
+    env = {**launch_env(), "TORCH_EXTENSIONS_DIR": folder}
+    build = ("from deepspeed.accelerator import get_accelerator; "
+             "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
+    subprocess.run([sys.executable, "-c", build], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    return {"TORCH_EXTENSIONS_DIR": folder}

@@ -20,7 +20,7 @@ from conftest import SAME_DTYPE_LOSS_REL
 from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset
 from hf_speedup.blocks import find_blocks, unwrap_model
 
-PRESETS = ("baseline", "auto", "memory", "lora", "fast", "fast-compiled")
+PRESETS = ("baseline", "auto", "memory", "lora", "fast", "fast-compiled", "long")
 ROWS = (9, 13, 16, 11, 7, 15, 12, 10)  # token counts: ragged, so batches pad (and padding-free rows differ)
 BATCH = 4
 NO_DROPOUT = dict(attention_dropout=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -122,6 +122,8 @@ def collator(name: str, tokenizer):
 def speedup(preset: str):
     if preset == "fast-compiled":
         return get_preset("fast").replace(compile={"backend": "eager", "mode": None, "when": "always"})
+    if preset == "long":  # tiles of 4 tokens: these rows are 7-16 tokens long, so every MLP runs in several tiles
+        return get_preset("long").replace(tiled_mlp={"tile_tokens": 4})
     return preset
 
 
@@ -338,7 +340,27 @@ def _check_precision(trainer, entry, name, before):
     assert trainer.accelerator.mixed_precision in ("bf16", "fp16")
 
 
+def _check_tiled_mlp(trainer, entry, name, before):
+    """The recorder of every tiled MLP saw the training steps run it in several tiles; the blocks left untiled are
+    the mixture-of-experts ones, named in the report."""
+    from hf_speedup.features.tiled_mlp import tiled_mlps
+    from hf_speedup.features.tiled_mlp.mechanism import tile_record
+    from hf_speedup.model_parts import routers
+
+    blocks = find_blocks(trainer.model)
+    tiled = dict(tiled_mlps(trainer.model))
+    assert sorted(tiled) == entry["settings"]["blocks"], entry["settings"]
+    for i, block in enumerate(blocks):
+        assert (i in tiled) == (not routers(block)), (i, name)  # dense MLPs tiled, routed experts not
+    for i, mlp in tiled.items():
+        record = tile_record(mlp)
+        assert record.calls > 0 and record.tiles == -(-record.tokens // 4) > 1 and not record.mismatched, (i, record)
+    if entry["settings"]["untiled_blocks"]:
+        assert "not tiled (a mixture of experts" in entry["reason"], entry["reason"]
+
+
 LIVE_CHECKS = {"lora": _check_lora, "compile": _check_compile, "checkpointing": _check_checkpointing,
+               "tiled_mlp": _check_tiled_mlp,
                "attention": _check_attention, "experts": _check_experts, "loss": _check_loss, "data": _check_data,
                "optimizer": _check_optimizer, "precision": _check_precision}
 # Engaged features whose effect does not depend on the architecture; their own test files check them live.

@@ -9,30 +9,15 @@ A rank killed inside its part of a save, and a signal to one rank, leave checkpo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from distributed_helpers import DIST, ROOT, distributed_marks, executable, launch, launch_env
+from distributed_helpers import DIST, ROOT, distributed_marks, executable, launch
 
 pytest.importorskip("deepspeed")
 pytestmark = distributed_marks()
 PRESETS = ("baseline", "auto", "fast", "memory", "lora")
 SAME_LOSSES = ("baseline", "auto", "fast", "memory")
-
-
-@pytest.fixture(scope="session")
-def torch_extensions(tmp_path_factory) -> dict:
-    """DeepSpeed compiles a small C++ shared-memory op on its first CPU run (about 80 s): built once here, in one
-    process, into a folder every launch of the session shares (``TORCH_EXTENSIONS_DIR``; kept where it is set)."""
-    folder = os.environ.get("TORCH_EXTENSIONS_DIR") or str(tmp_path_factory.mktemp("torch_extensions"))
-    env = {**launch_env(), "TORCH_EXTENSIONS_DIR": folder}
-    build = ("from deepspeed.accelerator import get_accelerator; "
-             "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
-    subprocess.run([sys.executable, "-c", build], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
-    return {"TORCH_EXTENSIONS_DIR": folder}
 
 
 @pytest.mark.parametrize("stage", [2, 3])

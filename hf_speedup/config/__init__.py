@@ -17,7 +17,7 @@ from typing import Any
 from .sections import (AUTO, INTERRUPT_SIGNALS, SECTIONS, AttentionSettings, CheckpointingSettings, CompileSettings,
                        CrashSafeSettings, DataSettings, DeepSpeedSettings, ExpertsSettings, FsdpSettings,
                        InterruptSettings, LigerSettings, LoraSettings, LossSettings, MemorySettings, OptimizerSettings, PrecisionSettings,
-                       ProfileSettings, ReportSettings)
+                       ProfileSettings, ReportSettings, TiledMlpSettings)
 from .validate import (BOOLS, CHOICES, NON_NEGATIVE_INTS, OPTIONAL_BOOLS, OPTIONAL_NON_NEGATIVE_INTS,
                        OPTIONAL_POSITIVE_INTS, POSITIVE_INTS, SpeedupConfigError, _check_field, _fmt, _unknown,
                        budget_problem, parse_size, report_path_problem)
@@ -27,7 +27,7 @@ __all__ = [
     "DataSettings", "ExpertsSettings", "FsdpSettings", "INTERRUPT_SIGNALS", "InterruptSettings", "LigerSettings", "LoraSettings",
     "LossSettings", "MemorySettings", "NON_NEGATIVE_INTS", "OPTIONAL_BOOLS", "OPTIONAL_NON_NEGATIVE_INTS",
     "OPTIONAL_POSITIVE_INTS", "OptimizerSettings", "POSITIVE_INTS", "PrecisionSettings", "ProfileSettings",
-    "ReportSettings", "SECTIONS", "SpeedupConfig", "SpeedupConfigError", "budget_problem", "dotted_keys",
+    "ReportSettings", "SECTIONS", "TiledMlpSettings", "SpeedupConfig", "SpeedupConfigError", "budget_problem", "dotted_keys",
     "parse_size", "report_path_problem",
 ]
 
@@ -42,6 +42,7 @@ class SpeedupConfig:
     compile: CompileSettings = field(default_factory=CompileSettings)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     checkpointing: CheckpointingSettings = field(default_factory=CheckpointingSettings)
+    tiled_mlp: TiledMlpSettings = field(default_factory=TiledMlpSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
     fsdp: FsdpSettings = field(default_factory=FsdpSettings)

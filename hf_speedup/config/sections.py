@@ -46,6 +46,18 @@ class CheckpointingSettings:
 
     enabled: Any = False  # auto | true | false
     every_n_blocks: int = 1
+    # auto | true | false: the checkpointed blocks' inputs kept in pinned host memory between forward and backward,
+    # copied on a side stream and prefetched a block ahead (CUDA; on a CPU device there is nothing to offload to)
+    offload: Any = False
+
+
+@dataclass
+class TiledMlpSettings:
+    """Each block's MLP run over tiles of the sequence, each recomputed in backward: its intermediates never exist
+    for the whole sequence (long context)."""
+
+    enabled: Any = False  # auto (off beside compiled blocks) | true | false
+    tile_tokens: Any = AUTO  # auto (from the MLP width and the length) | an integer >= 1: tokens per tile
 
 
 @dataclass
@@ -196,6 +208,7 @@ SECTIONS: dict[str, type] = {
     "compile": CompileSettings,
     "optimizer": OptimizerSettings,
     "checkpointing": CheckpointingSettings,
+    "tiled_mlp": TiledMlpSettings,
     "memory": MemorySettings,
     "lora": LoraSettings,
     "fsdp": FsdpSettings,

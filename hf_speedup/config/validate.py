@@ -32,6 +32,8 @@ CHOICES: dict[str, tuple[tuple, Any]] = {
     "compile.when": (("always", "pays_back"), "pays_back"),
     "optimizer.name": ((AUTO, "keep", "adamw", "adamw_fused", "adamw_8bit", "paged_adamw_8bit"), AUTO),
     "checkpointing.enabled": ((AUTO, True, False), True),
+    "checkpointing.offload": ((AUTO, True, False), AUTO),
+    "tiled_mlp.enabled": ((AUTO, True, False), True),
     "lora.quantization": ((None, "4bit", "8bit"), None),
     "fsdp.version": ((1, 2), 2),
     "fsdp.strategy": (("full_shard", "shard_grad_op", "hybrid_shard", "no_shard"), "full_shard"),
@@ -117,6 +119,11 @@ def report_path_problem(value: Any) -> str | None:
 
 
 def _check_field(key: str, value: Any) -> list[str]:
+    if key == "tiled_mlp.tile_tokens":
+        if value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return []
+        return [f"{key} = {value!r} is not allowed; allowed: 'auto' or an integer >= 1 (tokens per tile); "
+                f"fix: e.g. {key}: auto"]
     if key == "report.path":
         problem = report_path_problem(value)
         return [problem] if problem else []

@@ -43,7 +43,8 @@ reads the compile and FSDP decisions; profile comes last so it labels the loss f
 data decides before attention and compile: padding-free rows choose the kernel and a dynamic sequence dimension;
 experts after precision (the dtype its timing ran in) and before compile and memory (which kernel the MoE blocks
 run, what the estimate models);
-liger before loss: Liger's fused cross-entropy, where on, keeps the chunked loss out).
+liger before loss: Liger's fused cross-entropy, where on, keeps the chunked loss out; tiled_mlp after compile: it
+stays off beside compiled blocks unless asked for, and wraps the MLPs after compile set the blocks up).
 
 Adding an acceleration: a module (or a package, its helpers inside) here with that surface, its section in
 ``config.py``, and its name in ``FEATURES``; the trainer, the report and the CLI pick it up from there.
@@ -55,10 +56,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import (attention, checkpointing, compile, crash_safe, data, deepspeed, experts, fsdp, interrupt, liger, lora,
-               loss, memory, optimizer, precision, profile)
+               loss, memory, optimizer, precision, profile, tiled_mlp)
 
-FEATURES = (deepspeed, precision, lora, fsdp, checkpointing, data, attention, experts, compile, optimizer, memory, liger,
-            loss, profile, interrupt, crash_safe)
+FEATURES = (deepspeed, precision, lora, fsdp, checkpointing, data, attention, experts, compile, tiled_mlp, optimizer,
+            memory, liger, loss, profile, interrupt, crash_safe)
 
 
 @dataclass

@@ -7,11 +7,20 @@ import contextlib
 import torch
 
 
+_PROBES = [0]  # probes running now (nested ones count)
+
+
+def probing() -> bool:
+    """Whether a verification probe is running: recorders of training (the tiled MLP's) leave it out."""
+    return _PROBES[0] > 0
+
+
 @contextlib.contextmanager
 def eager_train_mode(model):
     """Train mode, fresh RNG state and no compiled code, restored afterwards (verification must not
     change training, nor trigger a compile)."""
     modes = [(m, m.training) for m in model.modules()]
+    _PROBES[0] += 1
     stance = getattr(torch.compiler, "set_stance", None)
     # the RNG of the GPUs the model is on: a CPU run on a GPU host must not initialise CUDA here
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
@@ -20,6 +29,7 @@ def eager_train_mode(model):
             model.train()
             yield
     finally:
+        _PROBES[0] -= 1
         for m, was in modes:
             m.training = was
 

@@ -29,7 +29,8 @@ from ...config import SpeedupConfigError
 from ...plan_types import OFF, Decision, Outcome, PlanContext
 from ..explicit_args import users_choice
 from ..probe import eager_train_mode
-from .mechanism import block_checkpoint_fn, disable_kv_cache, enable_block_checkpointing, is_non_reentrant
+from .mechanism import block_checkpoint_fn, disable_kv_cache, enable_block_checkpointing, is_non_reentrant, offloader_of
+from .offload import BlockInputOffloader
 
 NAME = "checkpointing"
 APPLIES_TO = "model"
@@ -42,6 +43,7 @@ class Settings:
     every_n_blocks: int = 1
     blocks: tuple[int, ...] | None = None  # the block indices to checkpoint, where the model is known
     override_args: bool = False  # the user's TrainingArguments asked for it: their switch is turned off
+    offload: bool = False  # the blocks' inputs kept in pinned host memory, copies on a side stream (offload.py)
 
 
 # ----------------------------------------------------------------------------------------- decide
@@ -78,7 +80,7 @@ def selected_blocks(num_blocks: int, every_n: int) -> list[int]:
 
 def decide(ctx: PlanContext) -> Decision:
     s = ctx.config.checkpointing
-    requested = {"enabled": s.enabled, "every_n_blocks": s.every_n_blocks}
+    requested = {"enabled": s.enabled, "every_n_blocks": s.every_n_blocks, "offload": s.offload}
     user_on = _user_args_want_it(ctx.args)
     fsdp = ctx.decisions.get("fsdp")
     if fsdp is not None and fsdp.active and fsdp.settings.activation_checkpointing:
@@ -130,14 +132,30 @@ def _decide_blocks(ctx: PlanContext, requested: dict, user_on: bool) -> Decision
                         reason="cannot checkpoint: no repeated decoder block found (no _no_split_modules, no "
                                "homogeneous ModuleList)")
     blocks = tuple(selected_blocks(info.num_blocks, n)) if info is not None else None
-    settings = Settings(by="hf_speedup", every_n_blocks=n, blocks=blocks, override_args=user_on)
+    offload, offload_why = _decide_offload(ctx)
+    settings = Settings(by="hf_speedup", every_n_blocks=n, blocks=blocks, override_args=user_on, offload=offload)
     if info is not None:
         where = f"{len(blocks)}/{info.num_blocks} {info.block_class} blocks ({_ordinal(n)})"
     else:
         where = f"{_ordinal(n)} block"
     applied = "non-reentrant" if n == 1 else f"non-reentrant, every {n} blocks"
+    if offload:
+        applied += ", inputs offloaded"
     return Decision(NAME, requested, applied, settings=settings,
-                    reason=f"{why}: {where}, non-reentrant, use_cache off")
+                    reason=f"{why}: {where}, non-reentrant, use_cache off{offload_why}")
+
+
+def _decide_offload(ctx: PlanContext) -> tuple[bool, str]:
+    """Whether the checkpointed blocks' inputs go to host memory, and the reason's words for it."""
+    asked = ctx.config.checkpointing.offload
+    if asked is False:
+        return False, ""
+    if ctx.caps.device_type != "cuda":
+        return False, (f"; inputs not offloaded (checkpointing.offload={asked!r}): on a {ctx.caps.device_type} device "
+                       "they already live in host memory, there is nothing to offload to")
+    return True, ("; each block's input kept in pinned host memory between forward and backward (hf_speedup's "
+                  "offloader: copies on a side stream, the next block's input prefetched during backward; "
+                  "transformers' own offload copies on the compute stream with nothing prefetched)")
 
 
 # ----------------------------------------------------------------------------------------- args
@@ -182,9 +200,12 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
         return
     blocks = find_blocks(model)
     chosen = selected_blocks(len(blocks), decision.settings.every_n_blocks)
-    mechanism = enable_block_checkpointing(blocks, chosen, {"use_reentrant": False})
+    offloader = BlockInputOffloader() if decision.settings.offload else None
+    mechanism = enable_block_checkpointing(blocks, chosen, {"use_reentrant": False}, offloader=offloader)
     disable_kv_cache(model)
     outcome.facts.update(blocks=chosen, mechanism=mechanism)
+    if offloader is not None:
+        outcome.handoff["offloader"] = offloader
     logger.info("hf_speedup: activation checkpointing on blocks %s of %d (%s, non-reentrant)",
                 chosen, len(blocks), mechanism)
 
@@ -273,6 +294,13 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
             return False, "the stock Trainer turns it on when train() starts; not on yet"
         return False, f"no block has checkpointing on (0/{len(blocks)})"
     describe = _describe(blocks, active, decision)
+    if decision.settings.offload:
+        offloaders = {id(o): o for o in (offloader_of(block_checkpoint_fn(blocks[i])) for i in active) if o}
+        if not offloaders:
+            return False, f"{describe}, but no block keeps its input in host memory (offload was planned)"
+        o = next(iter(offloaders.values()))
+        describe += (f"; inputs kept in pinned host memory ({o.copies} copied out, {o.fetches} brought back so "
+                     "far)")
     ok, why_not = _can_probe(trainer)
     if not ok:
         return True, f"{describe} ({why_not})"

@@ -14,14 +14,15 @@ from torch.utils.checkpoint import checkpoint
 from ... import compat
 
 
-def enable_block_checkpointing(blocks, selected, checkpoint_kwargs: dict) -> str:
+def enable_block_checkpointing(blocks, selected, checkpoint_kwargs: dict, offloader=None) -> str:
     """Checkpoint ``blocks[i]`` for ``i`` in ``selected`` and leave the others alone; returns the mechanism.
 
     Per-block flags on transformers' ``GradientCheckpointingLayer`` (what ``every_n_layers`` sets in
     transformers 5), so a later in-place ``block.compile()`` traces the checkpoint inside the region.
     Blocks of other classes get their ``forward`` wrapped on the instance, which compiles the same way.
+    ``offloader`` (a :class:`~.offload.BlockInputOffloader`) checkpoints with the block inputs in host memory.
     """
-    fn = functools.partial(checkpoint, **checkpoint_kwargs)
+    fn = functools.partial(offloader if offloader is not None else checkpoint, **checkpoint_kwargs)
     gc_layer = compat.gradient_checkpointing_layer_cls()
     selected = set(selected)
     mechanism = "GradientCheckpointingLayer flags"
@@ -60,6 +61,14 @@ def block_checkpoint_fn(block):
     if gc_layer is not None and isinstance(block, gc_layer) and block.gradient_checkpointing:
         return getattr(block, "_gradient_checkpointing_func", None)
     return None
+
+
+def offloader_of(fn):
+    """The offloader a block's checkpoint function keeps its input with (None: the input stays on the device)."""
+    from .offload import BlockInputOffloader
+
+    inner = getattr(fn, "func", None)
+    return inner if isinstance(inner, BlockInputOffloader) else None
 
 
 def is_non_reentrant(fn) -> bool | None:
