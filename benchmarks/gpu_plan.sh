@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_plan.sh tests        # pytest -m gpu only (stopped with a summary at 9 minutes, or GPU_TESTS_S)
 #   bash benchmarks/gpu_plan.sh all          # both (about 20 minutes on one H100: more than one device call)
 #   bash benchmarks/gpu_plan.sh bench [ARGS] # benchmarks/gpu.py only; ARGS go to it (e.g. --variants stock,fast)
+#   bash benchmarks/gpu_plan.sh long [ARGS]  # benchmarks/long_gpu.py: Llama-3.1-8B-shaped LoRA, stock+gc vs long
 # Wheels from benchmarks/gpu_wheels.sh (.whl/) are installed first when present. Results go to $OUT (the
 # device machine's output folder) or runs/gpu_plan: device.txt, gpu_tests.log/.xml, bench.{json,md,png,log},
 # bench_logs.tar.gz (at most 8 files, as the device machine returns them). The exit status is the tests'.
@@ -42,5 +43,9 @@ if [ "$part" = bench ] || [ "$part" = all ]; then
   cp "$runs"/bench.json "$runs"/bench.md "$runs"/bench.png "$out"/ 2>/dev/null
   tar -czf "$out/bench_logs.tar.gz" -C "$runs" . 2>/dev/null
   tail -30 "$out/bench.log"
+fi
+if [ "$part" = long ]; then
+  python3 benchmarks/long_gpu.py --output "$out" "$@" > "$out/long.log" 2>&1
+  tail -40 "$out/long.log"
 fi
 exit $status
