@@ -47,7 +47,10 @@ SHIPPED: dict[str, tuple[str, dict, int, int]] = {
     "fsdp2_full_shard": ("fsdp", {}, 8, 1),
     "fsdp2_offload": ("fsdp-offload", {}, 8, 1),
     "fsdp2_hybrid_multinode": ("fsdp", {"fsdp": {"strategy": "hybrid_shard"}}, 16, 2),
+    "long_context_parallel": ("long", {"fsdp": {"enabled": True}}, 8, 1),
 }
+# what a shipped file's layout adds beyond processes and machines (keyword arguments of write_accelerate_config)
+SHIPPED_LAYOUT: dict[str, dict] = {"long_context_parallel": {"context_parallel": 2}}
 
 _PLACEHOLDER_IP = "MAIN_NODE_IP"
 # Seconds the launchers wait for every machine to join (the rendezvous) before they stop with an error; torch's
@@ -72,10 +75,17 @@ def _mixed_precision(cfg: SpeedupConfig) -> str:
 def accelerate_config_dict(preset: Any = "fsdp", num_processes: int = 8, num_machines: int = 1, *,
                            machine_rank: int = 0, main_process_ip: str | None = None,
                            main_process_port: int = 29500, mixed_precision: str | None = None,
-                           regional_compile: bool | None = None) -> dict:
-    """The config as a dict, in the keys ``accelerate launch --config_file`` reads (``ClusterConfig``)."""
+                           regional_compile: bool | None = None, context_parallel: int = 1) -> dict:
+    """The config as a dict, in the keys ``accelerate launch --config_file`` reads (``ClusterConfig``).
+    ``context_parallel``: ranks each row is split over (torch's context parallelism inside FSDP2)."""
     cfg = resolve(preset)
     problems = []
+    if context_parallel != 1 and (not isinstance(context_parallel, int) or isinstance(context_parallel, bool)
+                                  or context_parallel < 1 or not cfg.fsdp.enabled
+                                  or (isinstance(num_processes, int) and num_processes % context_parallel)):
+        problems.append(f"context_parallel = {context_parallel!r} is not allowed here; allowed: an integer >= 1 that "
+                        "divides num_processes, with a preset that shards with FSDP2 (context parallelism runs inside "
+                        "it); fix: e.g. preset={'base': 'long', 'fsdp': {'enabled': True}}, context_parallel=2")
     if not isinstance(num_processes, int) or isinstance(num_processes, bool) or num_processes < 1:
         problems.append(f"num_processes = {num_processes!r} is not allowed; allowed: an integer >= 1; fix: e.g. 8")
     if not isinstance(num_machines, int) or isinstance(num_machines, bool) or num_machines < 1:
@@ -99,6 +109,9 @@ def accelerate_config_dict(preset: Any = "fsdp", num_processes: int = 8, num_mac
             replicas, shard = fsdp.parallelism
             out["parallelism_config"] = {"parallelism_config_dp_replicate_size": replicas,
                                          "parallelism_config_dp_shard_size": shard}
+        if context_parallel > 1:
+            out["parallelism_config"] = {"parallelism_config_dp_shard_size": num_processes // context_parallel,
+                                         "parallelism_config_cp_size": context_parallel}
     else:
         out["distributed_type"] = "NO" if num_processes == 1 else "MULTI_GPU"
     out["downcast_bf16"] = "no"
@@ -152,8 +165,13 @@ def _header(shown: str, cfg: SpeedupConfig, d: dict) -> str:
         lines += [f"#   accelerate launch --config_file {shown} {script}"]
         if n > 1:
             lines += [f"# Another GPU count: add --num_processes N (same file)."]
-    if d.get("parallelism_config"):
-        pc = d["parallelism_config"]
+    pc = d.get("parallelism_config") or {}
+    if pc.get("parallelism_config_cp_size"):
+        lines += [f"# Context parallelism: each row split over {pc['parallelism_config_cp_size']} GPUs (torch's, inside "
+                  f"FSDP2), sharded over {pc['parallelism_config_dp_shard_size']};",
+                  "# keep dp_shard_size * cp_size = num_processes. SDPA attention, unpacked rows (the plan sees to both).",
+                  "# Not run on GPUs by hf_speedup yet (docs/features/long-context.md)."]
+    elif pc:
         lines += [f"# HSDP: {pc['parallelism_config_dp_replicate_size']} replicas (one per machine), each sharded over "
                   f"{pc['parallelism_config_dp_shard_size']} GPUs;",
                   "# keep dp_replicate_size * dp_shard_size = num_processes.",
@@ -181,7 +199,7 @@ def write_accelerate_config(preset: Any = "fsdp", num_processes: int = 8, num_ma
                             path: str | Path | None = None, *, machine_rank: int = 0,
                             main_process_ip: str | None = None, main_process_port: int = 29500,
                             mixed_precision: str | None = None, regional_compile: bool | None = None,
-                            name: str | None = None) -> str | Path:
+                            name: str | None = None, context_parallel: int = 1) -> str | Path:
     """An ``accelerate launch --config_file`` YAML for ``preset`` on ``num_processes`` processes.
 
     ``preset``: a preset name, SpeedupConfig, dict or YAML path. ``num_processes`` counts all machines.
@@ -193,7 +211,8 @@ def write_accelerate_config(preset: Any = "fsdp", num_processes: int = 8, num_ma
     cfg = resolve(preset)
     d = accelerate_config_dict(cfg, num_processes, num_machines, machine_rank=machine_rank,
                                main_process_ip=main_process_ip, main_process_port=main_process_port,
-                               mixed_precision=mixed_precision, regional_compile=regional_compile)
+                               mixed_precision=mixed_precision, regional_compile=regional_compile,
+                               context_parallel=context_parallel)
     shown = f"configs/accelerate/{name}.yaml" if name else (str(path) if path is not None else "THIS_FILE.yaml")
     text = render(d, _header(shown, cfg, d))
     if path is None:
@@ -211,5 +230,6 @@ def write_shipped_configs(folder: str | Path = "configs/accelerate") -> list[Pat
         cfg = get_preset(preset).replace(**overrides) if overrides else get_preset(preset)
         if overrides:
             cfg.name = preset
-        out.append(write_accelerate_config(cfg, n, m, Path(folder) / f"{name}.yaml", name=name))
+        out.append(write_accelerate_config(cfg, n, m, Path(folder) / f"{name}.yaml", name=name,
+                                           **SHIPPED_LAYOUT.get(name, {})))
     return out

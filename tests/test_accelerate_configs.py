@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hf_speedup import plan_for
-from hf_speedup.accelerate_config import SHIPPED, accelerate_config_dict, write_accelerate_config
+from hf_speedup.accelerate_config import SHIPPED, SHIPPED_LAYOUT, accelerate_config_dict, write_accelerate_config
 from hf_speedup.config import SpeedupConfigError
 from hf_speedup.features.fsdp.settings import launch_file_fsdp_config
 from hf_speedup.presets import get_preset
@@ -32,6 +32,7 @@ EXPECTED = {
     "fsdp2_full_shard": ("FSDP", 8, 1, True, False),
     "fsdp2_offload": ("FSDP", 8, 1, False, True),
     "fsdp2_hybrid_multinode": ("FSDP", 16, 2, True, False),
+    "long_context_parallel": ("FSDP", 8, 1, False, False),
 }
 
 
@@ -111,6 +112,11 @@ def test_shipped_yaml_gives_the_processes_what_it_says(path, monkeypatch):
         assert (pc.dp_replicate_size, pc.dp_shard_size) == (2, 8)  # HSDP: replicate across nodes, shard within
     elif dtype != "NO":
         assert args.nproc_per_node == str(n)
+    if path.stem == "long_context_parallel":
+        from accelerate import ParallelismConfig
+
+        pc = ParallelismConfig()  # from the env, as in a launched process
+        assert (pc.dp_replicate_size, pc.dp_shard_size, pc.cp_size) == (1, 4, 2) and pc.cp_enabled
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -119,7 +125,7 @@ def test_shipped_yaml_is_what_the_generator_writes(name, tmp_path):
     preset, overrides, n, m = SHIPPED[name]
     cfg = get_preset(preset).replace(**overrides) if overrides else get_preset(preset)
     cfg.name = preset
-    out = write_accelerate_config(cfg, n, m, tmp_path / f"{name}.yaml", name=name)
+    out = write_accelerate_config(cfg, n, m, tmp_path / f"{name}.yaml", name=name, **SHIPPED_LAYOUT.get(name, {}))
     assert out.read_text() == (FOLDER / f"{name}.yaml").read_text()
 
 
@@ -263,3 +269,31 @@ def test_speedup_trainer_says_so_before_accelerate_refuses(monkeypatch, tiny_mod
                                                  r"parallelism_config_dp_shard_size: 1 "):
         SpeedupTrainer(model=tiny_model, args=make_args(), train_dataset=dataset, data_collator=collator,
                        speedup="auto")
+
+
+def test_the_context_parallel_file_plans_long_as_launched_on_eight_gpus(monkeypatch):
+    """Launched with configs/accelerate/long_context_parallel.yaml on 8 GPUs: FSDP2 from the file, each row over 2
+    ranks, SDPA attention, rows unpacked; the same launch without FSDP is refused with the fix."""
+    from hf_speedup.tiny import tiny_llama
+
+    _launch_env(FOLDER / "long_context_parallel.yaml", monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    caps = fake_caps(**{**CUDA_H100, "world_size": 8, "device_count": 8})
+    plan = plan_for({"base": "long", "fsdp": {"enabled": True}}, caps, model=tiny_llama())
+    sp = plan["sequence_parallel"]
+    assert sp.applied == "context x2" and "each rank holds 1/2 of every row's tokens" in sp.reason
+    assert plan["fsdp"].active and plan["attention"].applied == "sdpa"
+    assert not plan["data"].settings.padding_free
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    with pytest.raises(SpeedupConfigError, match=r"context parallelism runs inside accelerate's FSDP2, and this plan has "
+                                                 r"no FSDP2 .* fix: speedup=\{'base': 'long', 'fsdp': \{'enabled': True\}\}"):
+        plan_for("long", caps, model=tiny_llama())
+
+
+def test_context_parallel_needs_an_fsdp_preset_and_a_divisor():
+    with pytest.raises(SpeedupConfigError, match=r"context_parallel = 3 is not allowed here; allowed: an integer >= 1 "
+                                                 r"that divides num_processes, with a preset that shards with FSDP2"):
+        accelerate_config_dict({"base": "long", "fsdp": {"enabled": True}}, 8, context_parallel=3)
+    with pytest.raises(SpeedupConfigError, match=r"context_parallel = 2 is not allowed here"):
+        accelerate_config_dict("long", 8, context_parallel=2)

@@ -17,7 +17,7 @@ from typing import Any
 from .sections import (AUTO, INTERRUPT_SIGNALS, SECTIONS, AttentionSettings, CheckpointingSettings, CompileSettings,
                        CrashSafeSettings, DataSettings, DeepSpeedSettings, ExpertsSettings, FsdpSettings,
                        InterruptSettings, LigerSettings, LoraSettings, LossSettings, MemorySettings, OptimizerSettings, PrecisionSettings,
-                       ProfileSettings, ReportSettings, TiledMlpSettings)
+                       ProfileSettings, ReportSettings, SequenceParallelSettings, TiledMlpSettings)
 from .validate import (BOOLS, CHOICES, NON_NEGATIVE_INTS, OPTIONAL_BOOLS, OPTIONAL_NON_NEGATIVE_INTS,
                        OPTIONAL_POSITIVE_INTS, POSITIVE_INTS, SpeedupConfigError, _check_field, _fmt, _unknown,
                        budget_problem, parse_size, report_path_problem)
@@ -27,7 +27,7 @@ __all__ = [
     "DataSettings", "ExpertsSettings", "FsdpSettings", "INTERRUPT_SIGNALS", "InterruptSettings", "LigerSettings", "LoraSettings",
     "LossSettings", "MemorySettings", "NON_NEGATIVE_INTS", "OPTIONAL_BOOLS", "OPTIONAL_NON_NEGATIVE_INTS",
     "OPTIONAL_POSITIVE_INTS", "OptimizerSettings", "POSITIVE_INTS", "PrecisionSettings", "ProfileSettings",
-    "ReportSettings", "SECTIONS", "TiledMlpSettings", "SpeedupConfig", "SpeedupConfigError", "budget_problem", "dotted_keys",
+    "ReportSettings", "SECTIONS", "SequenceParallelSettings", "TiledMlpSettings", "SpeedupConfig", "SpeedupConfigError", "budget_problem", "dotted_keys",
     "parse_size", "report_path_problem",
 ]
 
@@ -43,6 +43,7 @@ class SpeedupConfig:
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     checkpointing: CheckpointingSettings = field(default_factory=CheckpointingSettings)
     tiled_mlp: TiledMlpSettings = field(default_factory=TiledMlpSettings)
+    sequence_parallel: SequenceParallelSettings = field(default_factory=SequenceParallelSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
     fsdp: FsdpSettings = field(default_factory=FsdpSettings)

@@ -61,6 +61,16 @@ class TiledMlpSettings:
 
 
 @dataclass
+class SequenceParallelSettings:
+    """How the plan meets a row split over GPUs (accelerate's parallelism_config cp_size / sp_size): it is asked for
+    there, not here."""
+
+    # auto: planned for (rows unpacked, a kernel the backend takes, what cannot run refused up front); false: left
+    # to accelerate and the Trainer as they are (no adaptation, no check)
+    enabled: Any = AUTO
+
+
+@dataclass
 class MemorySettings:
     """Allocator knobs: CUDA ones (no-ops on CPU, reported) and the CPU malloc one (CPU training only)."""
 
@@ -209,6 +219,7 @@ SECTIONS: dict[str, type] = {
     "optimizer": OptimizerSettings,
     "checkpointing": CheckpointingSettings,
     "tiled_mlp": TiledMlpSettings,
+    "sequence_parallel": SequenceParallelSettings,
     "memory": MemorySettings,
     "lora": LoraSettings,
     "fsdp": FsdpSettings,

@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple[tuple, Any]] = {
     "checkpointing.enabled": ((AUTO, True, False), True),
     "checkpointing.offload": ((AUTO, True, False), AUTO),
     "tiled_mlp.enabled": ((AUTO, True, False), True),
+    "sequence_parallel.enabled": ((AUTO, False), AUTO),
     "lora.quantization": ((None, "4bit", "8bit"), None),
     "fsdp.version": ((1, 2), 2),
     "fsdp.strategy": (("full_shard", "shard_grad_op", "hybrid_shard", "no_shard"), "full_shard"),

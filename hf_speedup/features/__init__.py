@@ -36,7 +36,8 @@ Every feature module defines:
 ``runner.Speedup`` drives these hooks for every trainer class and the stock-Trainer helpers; no trainer names a
 feature.
 
-The order below is the order of decisions and of application (DeepSpeed first: a user's DeepSpeed config is read
+The order below is the order of decisions and of application (sequence_parallel after the engines it needs and
+before data and attention, which keep rows unpacked and pick a kernel it takes; DeepSpeed first: a user's DeepSpeed config is read
 before anything adapts to it; LoRA wraps before blocks are
 checkpointed and compiled; FSDP decides before checkpointing so it is done only once; the chunked loss
 reads the compile and FSDP decisions; profile comes last so it labels the loss function finally in place;
@@ -56,10 +57,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import (attention, checkpointing, compile, crash_safe, data, deepspeed, experts, fsdp, interrupt, liger, lora,
-               loss, memory, optimizer, precision, profile, tiled_mlp)
+               loss, memory, optimizer, precision, profile, sequence_parallel, tiled_mlp)
 
-FEATURES = (deepspeed, precision, lora, fsdp, checkpointing, data, attention, experts, compile, tiled_mlp, optimizer,
-            memory, liger, loss, profile, interrupt, crash_safe)
+FEATURES = (deepspeed, precision, lora, fsdp, sequence_parallel, checkpointing, data, attention, experts, compile,
+            tiled_mlp, optimizer, memory, liger, loss, profile, interrupt, crash_safe)
 
 
 @dataclass

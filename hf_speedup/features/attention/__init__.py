@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from ...blocks import unwrap_model
 from ...config import SpeedupConfigError
 from ...plan_types import OFF, Decision, Outcome, PlanContext
+from .. import sequence_parallel
 from . import sdpa_varlen
 
 NAME = "attention"
@@ -149,6 +150,8 @@ def decide(ctx: PlanContext) -> Decision:
         why = f"{info.architecture} cannot switch its attention kernel (no AttentionInterface dispatch); kept {current}"
         return _off(asked, why, settings, [f"attention: {why}"] if asked != "auto" else [])
     order = ranking(caps, packed)
+    if (split := sequence_parallel.allowed_kernels(ctx)) is not None:  # an explicit other kernel was refused there
+        order = [k for k in order if k in split] or list(split)
     fallbacks: list[str] = []
     if asked != "auto":
         ok, why = usable(asked, caps, info, dtype, packed)

@@ -84,9 +84,11 @@ def decide(ctx: PlanContext) -> Decision:
     user_on = _user_args_want_it(ctx.args)
     fsdp = ctx.decisions.get("fsdp")
     if fsdp is not None and fsdp.active and fsdp.settings.activation_checkpointing:
+        kept = ("; block inputs not offloaded (checkpointing.offload): FSDP's checkpoint wrapper holds them"
+                if s.offload is not False and ctx.caps.device_type == "cuda" else "")
         return Decision(NAME, requested, "by fsdp", settings=Settings(by="fsdp", override_args=user_on),
                         reason="FSDP wraps the blocks with its own activation checkpointing (fsdp decision); "
-                               "done once, there, not here")
+                               f"done once, there, not here{kept}")
     flag, _ = compat.checkpointing_arg_names(type(ctx.args)) if ctx.args is not None else (None, None)
     explicit, value = users_choice(ctx.args, flag) if flag else (False, None)
     if explicit and value is False and s.enabled is True and "checkpointing.enabled" in ctx.config.explicit_fields():

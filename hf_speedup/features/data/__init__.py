@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from .. import sequence_parallel
 from ...plan_types import Decision, Outcome, PlanContext
 from ..explicit_args import EXPLICIT_ARGS_ATTR, users_choice  # noqa: F401  (EXPLICIT_ARGS_ATTR: re-exported)
 from .collators import (_apply_padding_free, _args_have, _guard_rows_the_args_flatten, args_flatten,
@@ -86,6 +87,8 @@ def _padding_free(ctx: PlanContext) -> tuple[str | None, str, list[str]]:
     if asked is False:
         return None, "", []
     explicit = asked is True
+    if sequence_parallel.active_kind(ctx):  # an explicit true was refused there, with its fix
+        return None, "padding_free: auto: off under sequence parallelism (each row is split by position)", []
     if info is not None and not info.packed_sequences:
         why = f"padding_free: {info.packed_reason}; batches keep their padding"
         return None, why, [why] if explicit else []

@@ -52,7 +52,8 @@ def launcher_fsdp() -> dict:
     if _env_bool(PARALLELISM_SWITCH):
         for key, env in (("dp_replicate_size", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"),
                          ("dp_shard_size", "PARALLELISM_CONFIG_DP_SHARD_SIZE"),
-                         ("tp_size", "PARALLELISM_CONFIG_TP_SIZE"), ("cp_size", "PARALLELISM_CONFIG_CP_SIZE")):
+                         ("tp_size", "PARALLELISM_CONFIG_TP_SIZE"), ("cp_size", "PARALLELISM_CONFIG_CP_SIZE"),
+                         ("sp_size", "PARALLELISM_CONFIG_SP_SIZE")):
             try:
                 out[key] = int(os.environ.get(env, "1"))
             except ValueError:
@@ -71,11 +72,12 @@ def parallelism_problem(launcher: dict, device: str, world: int, applied_here: b
     parallel sizes it cannot)."""
     if "dp_replicate_size" not in launcher:
         return None
-    sizes = {k: max(1, launcher.get(k) or 1) for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")}
+    sizes = {k: max(1, launcher.get(k) or 1)
+             for k in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")}
     shown = ", ".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "all sizes 1"
-    total = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"] * sizes["cp_size"]
+    total = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"] * sizes["cp_size"] * sizes["sp_size"]
     where = f"the accelerate launch config's parallelism_config ({shown})"
-    if total != world and not (applied_here and sizes["tp_size"] == sizes["cp_size"] == 1):
+    if total != world and not (applied_here and sizes["tp_size"] == sizes["cp_size"] == sizes["sp_size"] == 1):
         shard = max(1, world // (total // sizes["dp_shard_size"]))
         return (f"{where} covers {total} processes but {world} run; accelerate refuses it (ParallelismConfig "
                 "total_size does not match num_processes); allowed: sizes whose product is the number of processes; "
@@ -83,7 +85,7 @@ def parallelism_problem(launcher: dict, device: str, world: int, applied_here: b
                 "accelerate config (the product of its sizes = num_processes), or drop parallelism_config")
     if device != "cpu" or total <= 1:
         return None
-    if applied_here and sizes["tp_size"] == sizes["cp_size"] == 1:
+    if applied_here and sizes["tp_size"] == sizes["cp_size"] == sizes["sp_size"] == 1:
         return None
     if applied_here:
         return (f"{where}: tensor and context parallelism need accelerate's FSDP2 on GPUs; on CPU processes "

@@ -196,7 +196,7 @@ def probe_tiles(mlp: torch.nn.Module, tokens: int = 9, tile: int = 4) -> tuple[i
     Call it inside :func:`~hf_speedup.features.probe.eager_train_mode` (a probe is not a training step)."""
     rule = tile_rule(mlp)
     record = tile_record(mlp)
-    weight = next(mlp.parameters())
+    weight = next(p for p in mlp.parameters() if p.is_floating_point())  # a 4-bit base stores uint8
     hidden = _in_features(mlp)
     x = torch.randn(1, tokens, hidden, dtype=weight.dtype, device=weight.device, requires_grad=True)
     was_training = [(m, m.training) for m in mlp.modules()]
@@ -264,7 +264,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
             seen, diff = probe_tiles(mlps[0][1])
     except Exception as exc:  # an unusual MLP must not hide the structural check
         return True, f"{where} (probe failed, checked structurally only: {exc!r})"
-    limit = 1e-4 if next(mlps[0][1].parameters()).dtype == torch.float32 else 2e-2
+    limit = 1e-4 if next(p for p in mlps[0][1].parameters() if p.is_floating_point()).dtype == torch.float32 else 2e-2
     if seen != 3 or diff > limit:
         return False, f"{where}, but a probe of 9 tokens in tiles of 4 ran {seen} tile(s), difference {diff:.1e}"
     return True, f"{where}; a probe ran 9 tokens in 3 tiles, output and input gradient equal to the untiled MLP's"
