@@ -1,7 +1,7 @@
 """hf_speedup: the right accelerations for Hugging Face fine-tuning, wired in and verified."""
 
 from .config import SpeedupConfig, SpeedupConfigError
-from .estimate import estimate_memory
+from .estimate import estimate_memory, longest_sequence
 from .features.interrupt import TrainingInterrupted
 from .features.memory import enable_expandable_segments, memory_env
 from .loading import load_model, load_tokenizer
@@ -22,6 +22,7 @@ __all__ = [
     "build_plan",
     "plan_for",
     "estimate_memory",
+    "longest_sequence",
     "load_model",
     "load_tokenizer",
     "memory_env",

@@ -162,6 +162,12 @@ def _cmd_estimate(ns) -> int:
     memory = parse_size(ns.memory) if ns.memory else caps.memory_bytes
     if ns.memory and not memory:
         raise CliError(f"estimate --memory {ns.memory!r}: not a size; fix: e.g. --memory 80GB or --memory 24GiB")
+    if ns.max_seq_len:
+        return _longest(ns, described, config, caps)
+    if ns.seq_len is None:
+        raise CliError("estimate: --seq-len is missing; fix: --seq-len 2048 (tokens per row), or --max-seq-len "
+                       "--budget 20GiB for the longest row that fits")
+    ns.batch_size = ns.batch_size or 8
     if ns.nodes is not None:
         return _scaling_plan(ns, described, config, caps, memory if ns.memory or caps.device_type == "cuda" else None)
     kw = dict(batch_size=ns.batch_size, seq_len=ns.seq_len, world_size=ns.world_size,
@@ -188,6 +194,41 @@ def _cmd_estimate(ns) -> int:
     else:
         print("\n".join(lines))
     return 0 if fits else 1
+
+
+def _longest(ns, described, config, caps) -> int:
+    """``estimate --max-seq-len``: the longest row this preset trains within --budget (hf_speedup.longest_sequence)."""
+    import json
+
+    from .estimate import budget_from, longest_described
+    from .memory_model import fmt_bytes
+    from .report.console import table
+
+    if ns.nodes is not None or ns.seq_len is not None:
+        raise CliError("estimate --max-seq-len answers the length: drop " + ("--nodes" if ns.nodes is not None
+                                                                            else "--seq-len"))
+    budget = budget_from(ns.budget or ns.memory or "auto", caps, "--memory" if ns.memory and not ns.budget else
+                         "--budget")
+    batch = ns.batch_size or 1
+    found = longest_described(described, config, budget_bytes=budget, caps=caps, batch_size=batch, step=ns.step,
+                              world_size=ns.world_size, gradient_accumulation_steps=ns.grad_accum, padded=ns.padded,
+                              args=_deepspeed_args(ns, caps))
+    if ns.json:
+        print(json.dumps(found.to_dict(), indent=2, default=str))
+        return 0 if found.seq_len else 1
+    head = (f"hf_speedup estimate --max-seq-len: {described[0].architecture}, preset '{config.name}' on "
+            f"{caps.device_type}, micro-batch {batch}, budget {fmt_bytes(budget)}")
+    if found.seq_len is None:
+        print(f"{head}\nnothing fits: {'; '.join(found.notes)}")
+        return 1
+    over = (f"{found.seq_len + found.step:,} tokens need {fmt_bytes(found.over.total_bytes)}" if found.over else
+            "longer rows were not searched")
+    lines = [head, f"longest row: {found.seq_len:,} tokens (estimate {fmt_bytes(found.estimate.total_bytes)}; {over})",
+             f"per token: {fmt_bytes(found.bytes_per_token)}, and {fmt_bytes(found.constant_bytes)} at 0 tokens (the "
+             f"slope between rows of {max(1, found.seq_len // 2):,} and {found.seq_len:,} tokens)",
+             table(["item", "at peak", "full size", "what"], found.estimate.rows(), [22, 11, 11, 30])]
+    print("\n".join(lines + [f"note: {n}" for n in found.notes]))
+    return 0
 
 
 def _scaling_plan(ns, described, config, caps, memory) -> int:
@@ -279,8 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", help="a transformers model config: a JSON file or inline JSON with model_type")
     g.add_argument("--tiny", action="store_true", help="the embedded tiny Llama (default)")
     s.add_argument("--preset", default="auto", help="preset name or SpeedupConfig YAML (default: auto)")
-    s.add_argument("--batch-size", type=int, default=8, help="per-device micro-batch (default: 8)")
-    s.add_argument("--seq-len", type=int, required=True, help="tokens per row")
+    s.add_argument("--batch-size", type=int, help="per-device micro-batch (default: 8; 1 with --max-seq-len)")
+    s.add_argument("--seq-len", type=int, help="tokens per row (required unless --max-seq-len)")
+    s.add_argument("--max-seq-len", action="store_true", help="answer the longest row (tokens) that trains within "
+                   "--budget instead, with the bytes per token and the bytes at 0 tokens")
+    s.add_argument("--budget", help="with --max-seq-len: memory to fit in, e.g. 20GiB or 24GB (default: --memory, "
+                                    "else this device's memory)")
+    s.add_argument("--step", type=int, default=1, help="with --max-seq-len: the answer is a multiple of this "
+                                                       "(default: 1)")
     s.add_argument("--world-size", type=int, default=1, help="processes (FSDP shards over them)")
     s.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     s.add_argument("--memory", help="memory to fit in, e.g. 80GB or 24GiB (default: this device's memory)")

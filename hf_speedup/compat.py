@@ -6,6 +6,7 @@ differently from another, so the rest of the package is written once against the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -54,6 +55,27 @@ def replace_args(args, overrides: dict):
     _reset_derived_fields(values, overrides)
     values.update(overrides)
     return type(args)(**values)
+
+
+@contextlib.contextmanager
+def accelerate_state_kept():
+    """Build TrainingArguments inside it without breaking a Trainer that already exists: accelerate's
+    ``AcceleratorState``, ``PartialState`` and ``GradientState`` are process-wide (every instance's ``__dict__`` is
+    its class's ``_shared_state``), and ``TrainingArguments._setup_devices`` (run by its ``__post_init__``) clears the
+    first two and sets up a fresh ``PartialState``, so a live Accelerator loses ``distributed_type``. Afterwards each
+    dict holds again what it held before (the same dict objects, so live instances see their state again)."""
+    try:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+    except ImportError:  # pragma: no cover - accelerate is a dependency of the Trainer
+        yield
+        return
+    saved = [(cls._shared_state, dict(cls._shared_state)) for cls in (AcceleratorState, PartialState, GradientState)]
+    try:
+        yield
+    finally:
+        for shared, before in saved:
+            shared.clear()
+            shared.update(before)
 
 
 # (derived, source): a config's ``__post_init__`` fills ``derived`` from ``source`` (and the batch shape) when it

@@ -13,11 +13,12 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .config import SpeedupConfig, SpeedupConfigError
+from .compat import accelerate_state_kept, replace_args
+from .config import SpeedupConfig, SpeedupConfigError, parse_size
 from .features.deepspeed import zero_note
 from .features.memory.budget import training_setup
 from .hardware import Capabilities, probe
@@ -27,7 +28,8 @@ from .model_info import ModelInfo, describe_model
 from .plan import build_plan, measure
 from .presets import resolve
 
-__all__ = ["estimate_memory", "estimate_described", "describe_for_estimate", "cheapest_fit", "fits_text"]
+__all__ = ["estimate_memory", "estimate_described", "describe_for_estimate", "cheapest_fit", "fits_text",
+           "longest_sequence", "longest_described", "LongestSequence", "per_token"]
 
 
 def _config_from(source: Any, trust_remote_code: bool = False):
@@ -75,10 +77,9 @@ def describe_for_estimate(model_or_config: Any, trust_remote_code: bool = False)
 
 
 def _arguments(batch_size: int, grad_accum: int, caps: Capabilities, args: Any = None):
-    """The TrainingArguments the plan reads (the user's, with this batch shape)."""
+    """The TrainingArguments the plan reads (the user's, with this batch shape). Building them resets accelerate's
+    process-wide state: call it inside ``accelerate_state_kept``."""
     if args is not None:
-        from .compat import replace_args
-
         return replace_args(args, {"per_device_train_batch_size": batch_size,
                                    "gradient_accumulation_steps": grad_accum})
     from transformers import TrainingArguments
@@ -129,7 +130,14 @@ def estimate_described(described: tuple[ModelInfo, bool], cfg: SpeedupConfig, *,
                                   "fix: pass a causal LM or its config"])
     if not real and cfg.lora.enabled and cfg.lora.quantization and caps.bitsandbytes:
         info = dataclasses.replace(info, quantization=cfg.lora.quantization)  # load_model quantizes it at load
-    plan = build_plan(cfg, caps, info, _arguments(batch_size, gradient_accumulation_steps, caps, args))
+    with accelerate_state_kept():  # the arguments built here must not reset a live Trainer's accelerate state
+        arguments = _arguments(batch_size, gradient_accumulation_steps, caps, args)
+        plan = build_plan(cfg, caps, info, arguments)
+        if not real and (loaded := load_kwargs("config", plan)[1]["dtype"].itemsize) != info.shape.weight_bytes:
+            # weights from a config load in the plan's dtype (a LoRA base in bf16 where precision chose bf16, by the
+            # CPU's flag or by measurement): memory.budget sizes the model so loaded, as this estimate does
+            info = dataclasses.replace(info, shape=dataclasses.replace(info.shape, weight_bytes=loaded))
+            plan = build_plan(cfg, caps, info, arguments)
     fit = getattr(plan["memory"].settings, "budget", None)
     micro, accum = batch_size, gradient_accumulation_steps
     changes: list[str] = []
@@ -176,3 +184,120 @@ def fits_text(est: MemoryEstimate, memory_bytes: int | None, where: str) -> str:
     verdict = "fits" if room >= 0 else "does NOT fit"
     return (f"{verdict} in {fmt_bytes(memory_bytes)} ({where}): "
             f"{fmt_bytes(abs(room))} {'to spare' if room >= 0 else 'short'}")
+
+
+# ------------------------------------------------------------------------------------- the longest sequence
+def per_token(bytes_at: Callable[[int], float], seq_len: int, batch_size: int = 1) -> tuple[float, float]:
+    """(bytes per token of the micro-batch, bytes at 0 tokens) of an estimate ``bytes_at(seq_len)``, from two lengths:
+    ``seq_len`` and half of it. The memory model is linear in the length only piecewise (the loss chunk grows until
+    it is full, eager attention keeps ``heads x length`` per token), so this is the secant over the upper half, the
+    slope where the answer lies; a token more in each of ``batch_size`` rows adds ``batch_size`` tokens."""
+    low = max(1, seq_len // 2)
+    high_bytes = float(bytes_at(seq_len))
+    if low >= seq_len:
+        return 0.0, high_bytes
+    slope = (high_bytes - float(bytes_at(low))) / (seq_len - low)
+    return slope / batch_size, high_bytes - slope * seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class LongestSequence:
+    """The longest row (tokens) a plan trains within ``budget_bytes``: ``estimate`` fits, ``over`` (at ``seq_len +
+    step``) does not. ``seq_len`` None: not even ``step`` tokens fit (``estimate`` is then at ``step``)."""
+
+    seq_len: int | None
+    budget_bytes: int
+    step: int
+    batch_size: int
+    estimate: MemoryEstimate
+    over: MemoryEstimate | None  # None where the longest searched (length.LIMIT) still fits
+    bytes_per_token: float  # per token of the micro-batch, the slope between seq_len / 2 and seq_len (per_token)
+    constant_bytes: float  # the estimate extrapolated to 0 tokens along that slope
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["estimate"] = self.estimate.to_dict()
+        out["over"] = self.over.to_dict() if self.over is not None else None
+        return out
+
+
+def budget_from(value: Any, caps: Capabilities, field: str = "budget") -> int:
+    """Bytes of a budget: an int, a size text (``20GiB``, ``24GB``), ``auto`` (this device's memory) or a fraction of
+    it; one SpeedupConfigError naming ``field`` otherwise."""
+    from .config import AUTO
+    from .features.memory.budget import budget_bytes
+
+    ok = value is not None and (value == AUTO or (isinstance(value, float) and 0 < value <= 1)
+                                or parse_size(value) is not None)
+    n, why = budget_bytes(value, caps) if ok else (None, "")
+    if n is None:
+        raise SpeedupConfigError([f"{field} = {value!r} " + (f"cannot be sized here: {why}" if why else
+                                                              "is not a memory size") +
+                                  "; allowed: bytes as an integer, a size such as '20GiB' or '80GB', 'auto' (this "
+                                  "device's memory) or a fraction of it such as 0.9; fix: e.g. "
+                                  f"{field}='20GiB'"])
+    return n
+
+
+def longest_sequence(model_or_config: Any, *, speedup: Any = "auto", budget: Any, batch_size: int = 1,
+                     step: int = 1, world_size: int = 1, gradient_accumulation_steps: int = 1,
+                     caps: Capabilities | None = None, padded: bool = False, args: Any = None,
+                     trust_remote_code: bool = False) -> LongestSequence:
+    """The longest sequence (tokens per row, a multiple of ``step``) ``speedup`` trains within ``budget`` on this
+    machine (or ``caps``): searched on the estimate itself (doubling, then bisection), since the memory model is not
+    linear in the length everywhere; the slope (bytes per token) and the constant (bytes at 0 tokens) come with it.
+    ``budget``: bytes, ``'20GiB'``, ``'auto'`` (this device's memory) or a fraction of it. Other arguments as
+    :func:`estimate_memory`."""
+    if not all(isinstance(v, int) and v >= 1 for v in (batch_size, step, world_size, gradient_accumulation_steps)):
+        raise SpeedupConfigError([f"batch_size = {batch_size!r}, step = {step!r}, world_size = {world_size!r}, "
+                                  f"gradient_accumulation_steps = {gradient_accumulation_steps!r}: allowed: integers "
+                                  ">= 1; fix: e.g. batch_size=1, step=64"])
+    cfg = resolve(speedup)
+    caps = caps if caps is not None else probe(args)
+    budget_bytes = budget_from(budget, caps)  # a bad budget fails before any model is built
+    described = describe_for_estimate(model_or_config, trust_remote_code)
+    caps = measure(cfg, caps, described[0])
+    return longest_described(described, cfg, budget_bytes=budget_bytes, caps=caps, batch_size=batch_size, step=step,
+                             world_size=world_size, gradient_accumulation_steps=gradient_accumulation_steps,
+                             padded=padded, args=args)
+
+
+def longest_described(described: tuple[ModelInfo, bool], cfg: SpeedupConfig, *, budget_bytes: int,
+                      caps: Capabilities, batch_size: int = 1, step: int = 1, **kwargs: Any) -> LongestSequence:
+    """:func:`longest_sequence` for a model already described and a resolved config (the CLI's door)."""
+    from .features.memory.budget import _quiet
+    from .features.memory.length import longest
+
+    seen: dict[int, MemoryEstimate | None] = {}
+
+    def at(tokens: int) -> MemoryEstimate | None:
+        """The estimate at rows of ``tokens``, None where memory.budget finds no configuration for them."""
+        if tokens not in seen:
+            try:
+                seen[tokens] = estimate_described(described, cfg, batch_size=batch_size, seq_len=tokens, caps=caps,
+                                                  **kwargs)
+            except SpeedupConfigError:
+                if not seen:
+                    raise  # the first length: the plan's own error, said once
+                seen[tokens] = None
+        return seen[tokens]
+
+    def fits(tokens: int) -> bool:
+        est = at(tokens)
+        return est is not None and est.total_bytes <= budget_bytes
+
+    first = at(step)  # planned (and logged) once; every other length quietly
+    with _quiet():
+        found, capped = longest(fits, step)
+        if found is None:
+            return LongestSequence(None, budget_bytes, step, batch_size, first, first, 0.0, 0.0,
+                                   (f"{step} token(s) per row already need {fmt_bytes(first.total_bytes)}",))
+        slope, constant = per_token(lambda n: at(n).total_bytes, found, batch_size)
+        over = None if capped else at(found + step)
+    notes = list(first.notes)
+    if capped:
+        notes.append(f"still fits at {found:,} tokens, the longest searched")
+    elif over is None:
+        notes.append(f"at {found + step:,} tokens memory.budget finds no configuration that fits")
+    return LongestSequence(found, budget_bytes, step, batch_size, at(found), over, slope, constant, tuple(notes))

@@ -22,9 +22,11 @@ al. 2022; QLoRA, Dettmers et al. 2023):
   (transformers registers that override); paged states live in CUDA unified memory (outside
   ``max_memory_allocated``) but count here: that is where they are unless memory runs short;
 - LoRA adapters ``rank x (in + out)`` per adapted Linear, fp32 (peft keeps adapters in fp32), with their
-  gradients and AdamW states: 16 bytes per adapter parameter;
+  gradients and AdamW states: 16 bytes per adapter parameter, of which the gradients (4) exist only from
+  their block's backward to ``zero_grad`` (which sets them to None), as the base's gradients do;
 - autocast weight copies: every matmul weight cast to ``c`` once per forward and saved for backward,
-  ``2.P_matmul`` bytes, freed block by block during backward;
+  ``2.P_matmul`` bytes, freed block by block during backward; under autocast over a 16-bit base, the fp32
+  adapters' copies ``c`` per adapter parameter (autocast caches the casts of trainable leaves);
 - FSDP divides weights, gradients and states by the shard group (``shard_grad_op`` keeps weights whole
   between forward and backward) and adds two gathered blocks in flight; gathered in the compute dtype (a
   mixed-precision policy), the blocks need no autocast copies; CPU offload moves all three off the device.
@@ -35,9 +37,11 @@ Activation Recomputation in Large Transformer Models", for a Llama-style block: 
 gated MLP). Per block, each term checked tensor by tensor against ``MemTracker`` (torch 2.13,
 transformers 5.23, see ``benchmarks/RESULTS.md``):
 
-- residual stream after attention and after the MLP: ``2.r.h``;
-- each RMSNorm: ``4`` (rsqrt), ``4h`` for the fp32 copy of a 16-bit input, ``r.h`` for ``x*rsqrt`` where
-  the norm weight trains;
+- each RMSNorm: ``4`` (rsqrt), its input in fp32 ``4h``, ``r.h`` for ``x*rsqrt`` where the norm weight trains.
+  The fp32 input is the residual stream itself (block input, residual after attention) over fp32 weights, and
+  a copy over 16-bit ones, whose 16-bit residuals are then kept by nothing (the residual adds save no input):
+  the residual stream is counted here, once; the embedding output is block 0's input, kept by its first norm
+  or its checkpoint;
 - norm outputs kept by trainable projections: ``r.h`` once per norm, or under autocast one ``c.h`` copy per
   projection (autocast casts each Linear's input separately: 3 for q/k/v, 2 for gate/up);
 - attention, SDPA/flash: q ``c.qw``, k and v ``c.kv`` each, the output ``c.qw`` (o_proj reads it as a
@@ -52,25 +56,35 @@ transformers 5.23, see ``benchmarks/RESULTS.md``):
   sorted input and the same MLP tensors, ``c.(4I + 2h)``; ``batched_mm`` ``c.(3I + h)`` plus both expert weights
   gathered for every pair, ``c.3.I.h``, and in the block's backward the gate/up weights' gradient ``c.2.I.h`` after
   down_proj's ``c.I.h`` are freed;
-- LoRA, per adapted Linear: the dropout mask (fp32 on CPU, bool on CUDA) and output (``4.d_in``, or the
-  autocast copy ``c.d_in``), ``c.rank`` for lora_A's output; frozen base weights keep none of the above that
+- LoRA, per adapted Linear: the dropout mask (fp32 on CPU, bool on CUDA) and output (``4.d_in``, or under
+  autocast, over a 16-bit base too, the copy ``c.d_in`` that lora_A casts peft's fp32 input to: the fp32 one
+  is then freed), ``c.rank`` for lora_A's output; frozen base weights keep none of the above that
   only their own gradient needed (no norm ``x*rsqrt``, no projection inputs);
 - a compiled block (AOT autograd's min-cut partition, inductor or aot_eager, from the first step; dense blocks
   that train), checked tensor by tensor with torch 2.13's CPU inductor in fp32 and under bf16 autocast: its input
   ``r.h``, each norm's rsqrt ``4`` and one output in the compute dtype ``c.h`` (the casts are shared), q, k, v,
   the attention output and log-sum-exp as above plus o_proj's contiguous input ``c.qw``, and gate, up and their
   product ``3.c.i``; the residual after attention and act(gate) are recomputed in backward;
-- a checkpointed block keeps its input only (``r.h``) and recomputes the rest in backward; the embedding
-  output ``r.h``; the final norm and, where lm_head trains, its input;
+- a checkpointed block keeps its input only (``r.h``) and recomputes the rest in backward; offloaded to host
+  memory (``checkpointing.offload``, CUDA), the inputs leave the device, one prefetched back during backward; the
+  final norm (its fp32 input: the last block's output) and, where lm_head trains, its input;
+- a tiled MLP (``tiled_mlp``: the dense MLP over tiles of the sequence, each recomputed in backward) keeps its
+  input ``r.h`` for the tiles, and its own share above (gate, act(gate), up, their product, the inputs of
+  gate/up and their adapters) and its two backward gradients ``2.c.i`` for one tile of ``min(tile, N)`` tokens;
 - a KV cache: transformers builds one in training forwards when ``config.use_cache`` is on; under autocast
   it holds fp32 K/V copies (``2.r.kv`` per block) until the forward returns.
 
 Logits and loss (transformers' ``ForCausalLMLoss`` upcasts the logits to fp32): forward ``(c + 4)``
 bytes per logit, ``+4`` for the fp32 copy under autocast; backward ``12`` (log-softmax output, its gradient,
-the logits' gradient). Chunked (``loss.chunked``): the full logits never exist: ``(8 + c)`` bytes for one
-chunk's ``chunk_tokens x V`` logits and their exp, plus a saved copy of the hidden states and its gradient.
+the logits' gradient). Chunked (``loss.chunked``): the full logits never exist: one chunk's ``chunk_tokens x V``
+fp32 logits beside the ``c``-byte matmul output they upcast, ``(4 + c)`` bytes per logit (4 in fp32; log-sum-exp
+and softmax - onehot run in their storage), plus a saved copy of the hidden states and its gradient. Checked also
+against the allocator's own events (torch.profiler): MemTracker misses a kernel's internal temporaries.
 
-Backward temporaries of one block: the residual gradient ``r.h`` and two MLP gradients ``2.c.i`` per token.
+Backward temporaries of one block: the residual gradient ``r.h`` and two MLP gradients ``2.c.i`` per token, or, in
+its (re)computed forward, the largest adapter input peft holds beyond what is saved (its fp32 copy of a 16-bit
+input ``4.d_in``, dropout's fp32 output ``4.d_in``), whichever is more; a checkpointed block's recompute also holds
+its 16-bit input (its checkpoint's) beside the norm's fp32 copy.
 
 The peak is the largest of: the end of the forward (loss computed), the loss backward, the backward of
 each block (earlier blocks' activations alive, later blocks' gradients done), and the optimizer step.
@@ -79,12 +93,12 @@ each block (earlier blocks' activations alive, later blocks' gradients done), an
 from __future__ import annotations
 
 from .model_shape import SMALL_PARAM, ModelShape
-from .memory_model_types import (ITEM_TEXT, ITEMS, OPTIMIZERS, LoraShape, MemoryEstimate, TrainingSetup,
-                                 fmt_bytes)
+from .memory_model_types import (EXPERTS_MODELLED, ITEM_TEXT, ITEMS, OPTIMIZERS, LoraShape, MemoryEstimate,
+                                 MlpTiles, TrainingSetup, fmt_bytes, setup_notes)
 
-__all__ = ["ADAPTER_BYTES", "ATTN_ROLE", "BNB_8BIT_BYTES", "CUDA_CONTEXT", "GiB", "ITEMS", "ITEM_TEXT", "LoraShape",
-           "MemoryEstimate", "NF4_BYTES", "OPTIMIZERS", "TrainingSetup", "block_saved_per_token", "estimate",
-           "fmt_bytes", "lora_parameters"]
+__all__ = ["ADAPTER_BYTES", "ATTN_ROLE", "BNB_8BIT_BYTES", "CUDA_CONTEXT", "EXPERTS_MODELLED", "GiB", "ITEMS",
+           "ITEM_TEXT", "LoraShape", "MemoryEstimate", "MlpTiles", "NF4_BYTES", "OPTIMIZERS", "TrainingSetup",
+           "block_saved_per_token", "estimate", "fmt_bytes", "lora_parameters", "mlp_saved_per_token"]
 
 GiB = 1024 ** 3
 NF4_BYTES = 4.127 / 8  # NF4 + double-quantized constants (QLoRA paper: 0.127 bits per parameter)
@@ -129,17 +143,20 @@ def _adapted(shape: ModelShape, lora: LoraShape) -> list[tuple[str, int, int, st
             if targets == "all-linear" or n in targets]
 
 
-def _saved_lora(shape: ModelShape, st: TrainingSetup, c: int) -> float:
+def _saved_lora(shape: ModelShape, st: TrainingSetup, c: int, roles: tuple[str, ...] | None = None) -> float:
     """Per token: what peft's LoRA path keeps per adapted Linear of one block (adapters are fp32: peft casts
-    their input to fp32 first; on CPU dropout keeps its mask in that dtype, on CUDA as bool)."""
+    their input to fp32 first; on CPU dropout keeps its mask in that dtype, on CUDA as bool); ``roles``: only the
+    Linears reading those inputs."""
     mask = 1 if st.device == "cuda" else 4
     total = 0.0
     shared: set[str] = set()
     for _, d_in, _, role in _adapted(shape, st.lora):
+        if roles is not None and role not in roles:
+            continue
         if st.lora.dropout > 0:
-            total += mask * d_in + (c if st.cast else 4) * d_in  # dropout mask + lora_A's input
-        elif st.cast:
-            total += c * d_in  # autocast casts lora_A's input at every call
+            total += mask * d_in + (c if st.autocasts else 4) * d_in  # dropout mask + lora_A's input
+        elif st.autocasts:
+            total += c * d_in  # autocast casts lora_A's (fp32) input at every call, over a 16-bit base too
         elif st.residual_bytes != 4:
             total += 4 * d_in  # the fp32 copy peft makes of a 16-bit input, per adapter
         elif role not in shared and role != "attn":  # shared input; SDPA keeps the attention output already
@@ -147,6 +164,16 @@ def _saved_lora(shape: ModelShape, st: TrainingSetup, c: int) -> float:
             total += 4 * d_in
         total += c * st.lora.rank  # lora_A's output, kept by lora_B
     return total
+
+
+def _lora_transient(shape: ModelShape, st: TrainingSetup, tokens: int, tile: int) -> float:
+    """The largest adapter input peft holds for a moment beyond what is saved, in a block's (re)computed forward: its
+    fp32 copy of a 16-bit input and dropout's fp32 output, per token of the sequence (of the tile for the MLP's)."""
+    if st.lora is None:
+        return 0.0
+    per = (4 if st.residual_bytes != 4 else 0) + (4 if st.lora.dropout > 0 else 0)
+    return max((per * d_in * (tile if role in ("norm2", "mlp") else tokens)
+                for _, d_in, _, role in _adapted(shape, st.lora)), default=0.0)
 
 
 def _saved_attention(shape: ModelShape, st: TrainingSetup, c: int) -> float:
@@ -166,9 +193,9 @@ def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
     trains = st.lora is None
     if compiled_partition(shape, st):
         return r * h + 2 * (4 + c * h) + _saved_attention(shape, st, c) + c * shape.attention_width + 3 * c * i
-    total = 2 * r * h  # residual after attention (second norm's input) and the block output
-    norm = 4 + (4 * h if r != 4 else 0) + (r * h if trains else 0)
-    total += 2 * norm
+    # the residual stream (block input, residual after attention) is what each norm keeps as its fp32 input: the
+    # tensor itself in fp32, a copy over 16-bit weights (whose 16-bit residuals are then freed); + rsqrt, x*rsqrt
+    total = 2 * norm_saved_per_token(shape, st)
     if trains:
         roles = [role for _, _, role in _roles(shape)]
         for group in ("norm1", "norm2"):
@@ -187,13 +214,28 @@ def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
     return total
 
 
+def mlp_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
+    """The dense MLP's share of :func:`block_saved_per_token` (gate, act(gate), up, the product where down_proj
+    trains, gate/up's inputs where they train, the adapters of gate/up/down): what a tiled MLP keeps for one tile at
+    a time; 0 for routed experts (not tiled) and compiled blocks (not modelled tiled)."""
+    if shape.experts_per_token or compiled_partition(shape, st):
+        return 0.0
+    h, i, c = shape.hidden_size, shape.intermediate_size, st.compute_bytes
+    if st.lora is not None:
+        return 3 * c * i + _saved_lora(shape, st, c, roles=("norm2", "mlp"))
+    n = max(1, [role for _, _, role in _roles(shape)].count("norm2"))
+    return 4 * c * i + (n * c if st.cast else st.residual_bytes) * h
+
+
+def norm_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
+    """What one RMSNorm keeps per token: rsqrt ``4``, its input in fp32 ``4h``, ``x*rsqrt`` where its weight trains."""
+    h = shape.hidden_size
+    return 4 + 4 * h + (st.residual_bytes * h if st.lora is None else 0)
+
+
 def compiled_partition(shape: ModelShape, st: TrainingSetup) -> bool:
     """The compiled block's saved set is modelled (dense, trained in full, SDPA-style attention); else eager's."""
     return st.compiled and st.lora is None and not shape.experts_per_token and st.attention != "eager"
-
-
-EXPERTS_MODELLED = {"eager": "transformers' expert loop", "grouped_mm": "transformers' grouped_mm experts",
-                    "batched_mm": "transformers' batched_mm experts (each pair's expert weights gathered)"}
 
 
 def _saved_per_pair(shape: ModelShape, kernel: str, c: int) -> float:
@@ -272,8 +314,9 @@ def _loss_bytes(shape: ModelShape, st: TrainingSetup) -> tuple[float, float, flo
         return fwd, 12 * N * V, 0
     C = min(st.chunk_tokens, N)
     hidden = (c if st.cast else st.residual_bytes) * h * N
-    fwd = (8 + (c if c != 4 else 0)) * C * V
-    bwd = (4 + (2 * c if c != 4 else 0)) * C * V + hidden  # + the hidden states' gradient
+    chunk = (4 + (c if c != 4 else 0)) * C * V  # a chunk's fp32 logits beside the 16-bit matmul output they upcast
+    fwd = chunk  # the log-sum-exp runs in the fp32 logits' own storage
+    bwd = chunk + hidden  # recomputed logits -> softmax - onehot in place, and its 16-bit copy; the hidden gradient
     saved = hidden + 12 * N  # hidden copy, log-sum-exp and targets
     return fwd, bwd, saved
 
@@ -285,16 +328,21 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
     r, c = st.residual_bytes, st.compute_bytes
     trains = st.lora is None
     p = _param_items(shape, st)
-    block = block_saved_per_token(shape, st) * N
-    kept = [r * h * N if k in set(st.checkpointed) else block for k in range(L)]
-    final = (4 + (4 * h if r != 4 else 0) + (r * h if trains else 0)) * N
-    if trains and not st.chunked_loss:
+    # a tiled MLP keeps its input for its tiles and one tile's intermediates at a time (its recompute in backward)
+    mlp = mlp_saved_per_token(shape, st) if st.mlp_tiles is not None else 0.0
+    tile = min(N, st.micro_batch * st.mlp_tiles.tile_length(st.seq_len)) if mlp else N
+    block = block_saved_per_token(shape, st) * N - mlp * (N - tile) + (r * h * N if mlp else 0)
+    # a checkpointed block keeps its input, in host memory where offloaded (the next one prefetched in backward)
+    kept = [(0 if st.offload_inputs else r * h * N) if k in set(st.checkpointed) else block for k in range(L)]
+    prefetched = r * h * N if st.offload_inputs and st.checkpointed else 0
+    final = norm_saved_per_token(shape, st) * N  # the last block's output is its fp32 input (the embedding output is
+    if trains and not st.chunked_loss:  # block 0's input: its norm or its checkpoint keeps it)
         final += (c if st.cast else r) * h * N  # lm_head's input
-    embed_out = r * h * N
     loss_fwd, loss_bwd, loss_saved = _loss_bytes(shape, st)
-    acts_all = embed_out + sum(kept) + final
+    acts_all = sum(kept) + final
     cache = (2 * r * shape.kv_width * N * L) if (st.use_cache and st.cast) else 0
-    temps_block = N * (r * h + 2 * c * shape.intermediate_size)
+    # backward: the residual's gradient and two MLP gradients; or, earlier, the recompute's adapter input in fp32
+    temps_block = max(N * r * h + tile * 2 * c * shape.intermediate_size, _lora_transient(shape, st, N, tile))
     if st.experts == "batched_mm" and shape.experts_per_token and shape.expert_intermediate_size:
         # the gathered gate/up weights' gradient (2.I.h per pair) once down_proj's gathered weights (I.h) are freed
         temps_block += N * shape.experts_per_token * _gathered_per_pair(shape, c) / 3
@@ -304,8 +352,12 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
     if st.lora is not None and st.lora.quantized:
         gathered += c * max((i * o for _, i, o in shape.block_linears), default=0)  # one dequantized weight
     carried = p["grads"] if st.grad_accum > 1 else 0
-    base = {"weights": p["weights"], "optimizer_states": p["states"], "lora_adapters": p["adapters"]}
-    copies_all = L * p["copies_block"] + p["copies_head"]
+    # adapter gradients exist from their block's backward to zero_grad (set to None), or all along when accumulating
+    a_grads = p["adapters"] * 4 / ADAPTER_BYTES if st.grad_accum == 1 else 0
+    base = {"weights": p["weights"], "optimizer_states": p["states"], "lora_adapters": p["adapters"] - a_grads}
+    # autocast casts each fp32 adapter weight once per forward (cached while autocast is on), kept for backward
+    a_copies = (p["adapters"] * c / ADAPTER_BYTES) if (st.lora is not None and st.autocasts and c < 4) else 0
+    copies_all = L * p["copies_block"] + p["copies_head"] + a_copies
 
     phases: dict[str, dict] = {}
     phases["forward (loss computed)"] = {**base, "autocast_weight_copies": copies_all, "gradients": carried,
@@ -319,11 +371,15 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
     for k in range(L - 1, -1, -1):
         done = p["g_head"] + p["g_rest"] + (L - 1 - k) * p["g_block"]
         phases[f"backward (block {k})"] = {
-            **base, "autocast_weight_copies": (k + 1) * p["copies_block"],
+            **base, "autocast_weight_copies": (k + 1) * (p["copies_block"] + a_copies / L),
+            "lora_adapters": base["lora_adapters"] + a_grads * (L - k) / L,
             "gradients": carried if st.grad_accum > 1 else done,
-            "activations": embed_out + sum(kept[:k]) + block + (loss_saved if st.chunked_loss else 0),
+            # a checkpointed block's own input, held by its checkpoint beside the norm's fp32 copy of a 16-bit one
+            "activations": sum(kept[:k]) + block + prefetched + (loss_saved if st.chunked_loss else 0)
+            + (r * h * N if k in set(st.checkpointed) and r != 4 else 0),
             "temporaries": temps_block + gathered}
-    phases["optimizer step"] = {**base, "gradients": p["grads"], "temporaries": _optimizer_temporaries(shape, st)}
+    phases["optimizer step"] = {**base, "lora_adapters": p["adapters"], "gradients": p["grads"],
+                                "temporaries": _optimizer_temporaries(shape, st)}
 
     overhead = CUDA_CONTEXT if st.device == "cuda" else 0
     totals = {name: int(sum(items.values())) for name, items in phases.items()}
@@ -337,27 +393,4 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
              "overhead": overhead}
     return MemoryEstimate(total_bytes=sum(breakdown.values()), breakdown=breakdown, peak_phase=peak,
                           phases={k: v + overhead for k, v in totals.items()}, sizes=sizes, setup=st,
-                          notes=_notes(shape, st))
-
-
-def _notes(shape: ModelShape, st: TrainingSetup) -> tuple[str, ...]:
-    notes = ["compiled blocks: activations as AOT autograd's partition saves them" if compiled_partition(shape, st)
-             else "eager-mode activations: compiled blocks fuse ops and usually keep less"]
-    if shape.block_experts:
-        kernel = EXPERTS_MODELLED.get(st.experts)
-        notes.append(f"mixture of experts: activations modelled on {kernel or EXPERTS_MODELLED['eager']}, "
-                     f"{shape.experts_per_token} routed expert(s) per token; the router's own tensors are not counted")
-        if kernel is None:
-            notes.append(f"experts implementation {st.experts!r} not modelled: counted as the loop")
-        notes.append("the experts' routing indices (int64, a few bytes per token and expert) are not counted")
-    if st.optimizer == "paged_adamw_8bit" and st.device == "cuda":
-        notes.append("paged 8-bit states live in CUDA unified memory: outside torch.cuda.max_memory_allocated, "
-                     "paged to host under pressure")
-    if st.use_cache and st.cast:
-        notes.append("config.use_cache builds a KV cache in training forwards; set model.config.use_cache = False "
-                     "to save it")
-    if st.device == "cuda":
-        notes.append("the caching allocator reserves more than it allocates (fragmentation, typically 5-15%)")
-    elif st.device == "cpu":
-        notes.append("process RSS adds the Python runtime and libraries (~1 GB) and malloc's cached pages")
-    return tuple(notes)
+                          notes=setup_notes(shape, st, compiled_partition(shape, st)))

@@ -35,6 +35,37 @@ class LoraShape:
 
 
 @dataclass(frozen=True)
+class MlpTiles:
+    """The tiled MLP's rule (``features/tiled_mlp``'s ``TileRule``, as numbers): ``fixed_tiles`` at any length, else
+    ``tile_tokens`` per tile, else ``n // min_tile_tokens`` tiles, at most ``max_tiles``."""
+
+    tile_tokens: int | None = None
+    min_tile_tokens: int = 1024
+    max_tiles: int = 1
+    fixed_tiles: int | None = None
+
+    def tile_length(self, n: int) -> int:
+        """The longest tile of a row of ``n`` tokens."""
+        if self.fixed_tiles:
+            tiles = self.fixed_tiles
+        elif self.tile_tokens:
+            tiles = -(-n // self.tile_tokens)
+        else:
+            tiles = max(1, min(self.max_tiles, n // max(1, self.min_tile_tokens)))
+        return -(-n // max(1, tiles))
+
+    @classmethod
+    def of(cls, settings: Any) -> "MlpTiles | None":
+        """From the tiled_mlp decision's settings (None where it is off): its ``rule``, else its ``tile_tokens``."""
+        rule = getattr(settings, "rule", None)
+        if rule is not None:
+            return cls(getattr(rule, "tile_tokens", None), getattr(rule, "min_tile_tokens", 1024),
+                       getattr(rule, "max_tiles", 1), getattr(rule, "fixed_tiles", None))
+        n = getattr(settings, "tile_tokens", None)
+        return cls(tile_tokens=n) if n else None
+
+
+@dataclass(frozen=True)
 class TrainingSetup:
     """What one step's memory depends on besides the model's sizes (a plan, a batch, a device)."""
 
@@ -58,6 +89,9 @@ class TrainingSetup:
     cpu_offload: bool = False
     gather_bytes: int = 0  # bytes per element of FSDP's gathered parameters (0: the weights' own)
     compiled: bool = False  # the decoder blocks run compiled (AOT autograd's partition) from the first step
+    autocast: bool | None = None  # bf16/fp16 autocast runs (the plan's precision); None: read off the dtypes (cast)
+    mlp_tiles: MlpTiles | None = None  # the dense MLPs run over tiles of the sequence, each recomputed (tiled_mlp)
+    offload_inputs: bool = False  # checkpointed blocks' inputs in host memory between forward and backward (CUDA)
 
     @property
     def tokens(self) -> int:
@@ -72,6 +106,12 @@ class TrainingSetup:
     def cast(self) -> bool:
         """Autocast over wider weights: each Linear casts its input and weight to the compute dtype."""
         return self.compute_bytes < self.residual_bytes
+
+    @property
+    def autocasts(self) -> bool:
+        """Matmuls run under bf16/fp16 autocast: as the plan says, else wherever the weights are wider than the compute
+        dtype (a 16-bit base under autocast has ``cast`` False, but peft's fp32 adapters are still autocast)."""
+        return self.cast if self.autocast is None else self.autocast
 
     def replace(self, **changes: Any) -> "TrainingSetup":
         return dataclasses.replace(self, **changes)
@@ -126,3 +166,32 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"  # pragma: no cover
+
+
+EXPERTS_MODELLED = {"eager": "transformers' expert loop", "grouped_mm": "transformers' grouped_mm experts",
+                    "batched_mm": "transformers' batched_mm experts (each pair's expert weights gathered)"}
+
+
+def setup_notes(shape: Any, st: TrainingSetup, compiled: bool) -> tuple[str, ...]:
+    """What an estimate of ``shape`` trained as ``st`` leaves out or assumes (``compiled``: blocks as AOT autograd's
+    partition saves them)."""
+    notes = ["compiled blocks: activations as AOT autograd's partition saves them" if compiled
+             else "eager-mode activations: compiled blocks fuse ops and usually keep less"]
+    if shape.block_experts:
+        kernel = EXPERTS_MODELLED.get(st.experts)
+        notes.append(f"mixture of experts: activations modelled on {kernel or EXPERTS_MODELLED['eager']}, "
+                     f"{shape.experts_per_token} routed expert(s) per token; the router's own tensors are not counted")
+        if kernel is None:
+            notes.append(f"experts implementation {st.experts!r} not modelled: counted as the loop")
+        notes.append("the experts' routing indices (int64, a few bytes per token and expert) are not counted")
+    if st.optimizer == "paged_adamw_8bit" and st.device == "cuda":
+        notes.append("paged 8-bit states live in CUDA unified memory: outside torch.cuda.max_memory_allocated, "
+                     "paged to host under pressure")
+    if st.use_cache and st.cast:
+        notes.append("config.use_cache builds a KV cache in training forwards; set model.config.use_cache = False "
+                     "to save it")
+    if st.device == "cuda":
+        notes.append("the caching allocator reserves more than it allocates (fragmentation, typically 5-15%)")
+    elif st.device == "cpu":
+        notes.append("process RSS adds the Python runtime and libraries (~1 GB) and malloc's cached pages")
+    return tuple(notes)

@@ -208,3 +208,24 @@ def test_trainer_takes_the_budgets_micro_batch_and_reports_it(tmp_path, tokenize
     trainer.train()
     entry = trainer.speedup_report.to_dict()["plan"]["memory"]
     assert entry["settings"]["budget"]["micro_batch"] == 4 and entry["engaged"] is True
+
+
+@pytest.mark.parametrize("kind", ["AMX CPU, bf16 by its flag", "CPU without AMX, bf16 by measurement"])
+def test_the_estimators_budget_sizes_a_lora_base_in_the_precision_the_plan_chose(kind):
+    """estimate_memory from a config loads a LoRA base as load_model does, in the plan's precision (bf16 here,
+    chosen by the AMX flag or by a measurement): memory.budget sizes that model too, so a budget the estimate fits
+    changes nothing (it used to size the base in the meta model's fp32 and shrink the micro-batch for nothing)."""
+    from hf_speedup import estimate_memory
+    from hf_speedup.measured import Measurement
+    from hf_speedup.tiny import tiny_llama_config
+
+    fast_bf16 = {"precision.bf16_matmul": Measurement(value=3.0, what="faked", where="test")}
+    caps = (fake_caps(**CPU_AMX, memory_bytes=1 << 34) if kind.startswith("AMX") else
+            fake_caps(**CPU_NO_BF16, memory_bytes=1 << 34, measured=fast_bf16))
+    lora = {"lora": {"enabled": True}}
+    planned = estimate_memory(tiny_llama_config(), speedup=lora, batch_size=8, seq_len=512, caps=caps)
+    assert planned.setup.weight_bytes == 2 and planned.setup.compute_bytes == 2  # a bf16 base, bf16 autocast
+    budget = int(planned.total_bytes * 1.02)
+    fitted = estimate_memory(tiny_llama_config(), speedup={**lora, "memory": {"budget": budget}}, batch_size=8,
+                             seq_len=512, caps=caps)
+    assert fitted.plan_changes == () and fitted.total_bytes == planned.total_bytes <= budget

@@ -485,3 +485,23 @@ def test_the_reports_estimate_counts_eager_activations_once_compiled_blocks_fell
     tiny_model.model.layers[1]._compiled_call_impl = SimpleNamespace(fallback_reason=None)  # compiled, running
     assert not blocks_fell_back(tiny_model)
     tiny_model.model.layers[1]._compiled_call_impl = None
+
+
+def test_estimating_or_planning_after_a_trainer_exists_leaves_its_training_intact(tiny_model, make_args, dataset,
+                                                                                   collator):
+    """accelerate's AcceleratorState is process-wide, and building a TrainingArguments clears it: an estimate (or a
+    plan, whose explicit-arguments check builds a throw-away copy) made after a trainer exists used to break that
+    trainer's train() ("AcceleratorState object has no attribute distributed_type")."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    from hf_speedup import SpeedupTrainer, plan_for
+
+    users = make_args(bf16=False)  # built before the trainer: building arguments resets the state by design
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
+                             data_collator=collator, speedup="baseline")
+    before = dict(AcceleratorState._shared_state), dict(PartialState._shared_state)
+    estimate_memory(tiny_model.config, speedup="auto", batch_size=1, seq_len=64)
+    estimate_memory(tiny_model.config, speedup="auto", batch_size=1, seq_len=64, args=users)
+    plan_for("auto", model=tiny_model, args=trainer.args)
+    assert (dict(AcceleratorState._shared_state), dict(PartialState._shared_state)) == before
+    assert trainer.train().global_step == 1

@@ -46,10 +46,10 @@ def _resolved_default(args, field_name: str, declared: Any) -> Any:
     accelerator state up differently); ``declared`` where the copy cannot be built."""
     import warnings
 
-    from ..compat import replace_args
+    from ..compat import accelerate_state_kept, replace_args
 
-    try:
-        with warnings.catch_warnings():  # its deprecation notes are the user's to see for their own object
+    try:  # a throw-away copy: accelerate's process-wide state stays as a live Trainer set it up
+        with warnings.catch_warnings(), accelerate_state_kept():  # its deprecation notes are the user's to see
             warnings.simplefilter("ignore")
             return getattr(replace_args(args, {field_name: declared}), field_name)
     except Exception:

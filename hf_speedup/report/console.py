@@ -76,7 +76,7 @@ def plan_table_rows(title: str, rows: list[list], width: int = 80, max_reason_li
     ``max_reason_lines`` caps each reason (the JSON report always has it whole).
     """
     headers = ["feature", "requested", "applied", "engaged"]
-    caps = [14, 22, 26, 7]
+    caps = [17, 22, 23, 7]  # the feature column holds the longest name (sequence_parallel)
     widths = [min(cap, max([len(h)] + [len(_cell(r[i])) for r in rows]))
               for i, (h, cap) in enumerate(zip(headers, caps))]
     out = _wrap(title, width) + _rows_of(headers, widths) + ["  ".join("-" * w for w in widths)]
@@ -185,6 +185,8 @@ def metric_rows(report: dict) -> list[list[str]]:
          measures.get("peak_memory_reserved_bytes", mem_note)],
         ["peak live tensors", fmt_bytes(x.get("peak_live_tensor_bytes")), measures.get("peak_live_tensor_bytes", "")],
         ["estimated peak", fmt_bytes(m.get("estimated_peak_bytes")), measures.get("estimated_peak_bytes", "")],
+        ["expected per token", fmt_bytes((x.get("memory_estimate") or {}).get("bytes_per_token")),
+         measures.get("estimated_bytes_per_token", "")],
         ["compile time", fmt_seconds(m.get("compile_seconds")), "dynamo + backend, this run"],
         ["recompile time", fmt_seconds(m.get("recompile_seconds")), "of it, after the first step"],
         ["recompiles", fmt_num(m.get("recompiles")), ""],

@@ -44,6 +44,7 @@ from ...plan_types import OFF, Decision, Outcome, PlanContext
 from ...presets import resolve
 from ..explicit_args import users_choice
 from . import budget as memory_budget
+from . import length as memory_length
 
 NAME = "memory"
 ENV_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # the order torch's CUDA allocator reads them
@@ -158,8 +159,9 @@ def _join(a: str, b: str) -> str:
 def decide(ctx: PlanContext) -> Decision:
     cuda = _decide_cuda_knobs(ctx)
     decision = _with_cpu_reuse(cuda, ctx.caps) if ctx.config.memory.cpu_reuse_freed else cuda
-    decision = _with_offloading(decision, ctx)
-    return _with_tracking(_with_budget(decision, ctx), ctx)
+    decision = _with_tracking(_with_budget(_with_offloading(decision, ctx), ctx), ctx)
+    memory_length.attention_at_length(ctx, decision)  # quadratic attention: the longest row that fits, said there
+    return decision
 
 
 def _add_reason(decision: Decision, text: str) -> str:

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from ...config import AUTO, SpeedupConfig, SpeedupConfigError, parse_size
-from ...memory_model import LoraShape, MemoryEstimate, TrainingSetup, estimate, fmt_bytes
+from ...memory_model import LoraShape, MemoryEstimate, MlpTiles, TrainingSetup, estimate, fmt_bytes
 from ...model_shape import ModelShape
 from ...plan_types import Decision, PlanContext
 from .. import checkpointing, optimizer
@@ -95,6 +95,8 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
                     and getattr(comp.settings, "mode", None) in (None, "default", "max-autotune-no-cudagraphs"))
     return TrainingSetup(
         micro_batch=micro_batch, seq_len=seq_len, grad_accum=grad_accum, weight_bytes=wb, compute_bytes=compute,
+        autocast=dtype in (torch.bfloat16, torch.float16), mlp_tiles=MlpTiles.of(_settings(decisions, "tiled_mlp")),
+        offload_inputs=bool(blocks) and bool(getattr(getattr(ck, "settings", None), "offload", False)),
         compiled=compiled, lora=lora, checkpointed=blocks, optimizer=kind, chunked_loss=chunked,
         chunk_tokens=chunk_tokens,
         attention=getattr(attn, "implementation", None) or shape.attention, experts=kernel or "eager",

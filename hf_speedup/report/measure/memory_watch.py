@@ -80,6 +80,8 @@ def memory_snapshot(device_type: str, device: Any = None) -> dict:
 
 def memory_measures(device_type: str, live: dict | None, estimate: dict | None) -> dict:
     """What each memory number of the report is (``measurement["memory_measures"]``)."""
+    from ...memory_model import fmt_bytes
+
     if _accelerator_module(device_type):
         out = {"peak_memory_allocated_bytes": f"torch.{device_type}.max_memory_allocated: the peak of live tensors",
                "peak_memory_reserved_bytes": (f"torch.{device_type}.max_memory_reserved: what the caching allocator "
@@ -95,6 +97,10 @@ def memory_measures(device_type: str, live: dict | None, estimate: dict | None) 
     out["estimated_peak_bytes"] = (
         f"hf_speedup.estimate_memory for this plan, micro-batch {estimate['micro_batch']} x {estimate['seq_len']} "
         "tokens (the largest seen): live tensors at the peak" if estimate else "not estimated (model not sized)")
+    out["estimated_bytes_per_token"] = (
+        f"what the plan expects each token of the micro-batch to add (slope between rows of "
+        f"{max(1, estimate['seq_len'] // 2)} and {estimate['seq_len']} tokens); "
+        f"{fmt_bytes(estimate['constant_bytes'])} at 0 tokens" if estimate else "not estimated (model not sized)")
     return out
 
 
@@ -165,11 +171,17 @@ def estimated_peak(plan: Any, micro_batch: int, seq_len: int, grad_accum: int = 
     shape = getattr(plan.model, "shape", None)
     if shape is None or not micro_batch or not seq_len:
         return None
+    from ...estimate import per_token
+
     setup = training_setup(plan.decisions, shape, plan.caps, micro_batch=micro_batch, seq_len=seq_len,
                            grad_accum=grad_accum, padded=padded)
-    est = estimate(shape, setup.replace(compiled=False) if eager_blocks else setup)
+    setup = setup.replace(compiled=False) if eager_blocks else setup
+    est = estimate(shape, setup)
+    # what the plan expects each further token to cost, and the rest (the slope between half this length and it)
+    slope, constant = per_token(lambda n: estimate(shape, setup.replace(seq_len=n)).total_bytes, seq_len, micro_batch)
     return {"bytes": est.total_bytes, "peak_tensor_bytes": est.peak_tensor_bytes, "peak_phase": est.peak_phase,
-            "breakdown": est.breakdown, "micro_batch": micro_batch, "seq_len": seq_len, "padded": padded}
+            "breakdown": est.breakdown, "micro_batch": micro_batch, "seq_len": seq_len, "padded": padded,
+            "bytes_per_token": round(slope, 1), "constant_bytes": int(constant)}
 
 
 class MemoryWatch:
