@@ -259,13 +259,18 @@ def test_packing_without_padding_free_keeps_the_last_batch(tmp_path):
         make_plan(cfg, caps=fake_caps(**CPU_NO_BF16), args=plain)["data"], plain)
 
 
-def test_a_question_answering_head_keeps_its_rows_as_padded_as_the_stock_trainer(tokenizer, make_args):
+def test_a_question_answering_head_keeps_its_rows_as_padded_as_the_stock_trainer(tokenizer, make_args, monkeypatch):
     """transformers' QA loss is a softmax over every position of the row, padding included: rounding rows up to a
     multiple (auto: 8, fast: 64) changed the first loss from 2.40 to 2.78 / 4.17 on a tiny RoBERTa. The presets
-    leave the collator's padding alone there (reported), and the losses equal the stock Trainer's."""
+    leave the collator's padding alone there (reported), and the losses equal the stock Trainer's (both in fp32:
+    on a CPU where auto picks bf16 the losses would differ by precision alone)."""
     import torch
     import transformers as T
     from datasets import Dataset
+
+    import hf_speedup.hardware as hardware
+
+    monkeypatch.setattr(hardware, "_cpu_bf16", lambda: (False, "faked for the test: fp32 on every CPU"))
 
     rows = [{"input_ids": list(range(4, 4 + n)), "start_positions": 1, "end_positions": 3} for n in (7, 9, 10, 11)]
 
