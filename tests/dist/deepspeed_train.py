@@ -17,8 +17,12 @@ def run(config: str, preset: str | None, out_dir: str, save: bool = False, resum
     import torch
     from transformers import Trainer, TrainingArguments
 
+    import hf_speedup.hardware as hardware
     from hf_speedup import SpeedupTrainer
     from hf_speedup.tiny import causal_lm_collator, char_tokenizer, make_rows, tiny_llama
+
+    # fp32 on every CPU: the presets' losses are compared with the fp32 stock Trainer's (on an AMX CPU auto picks bf16)
+    hardware._cpu_bf16 = lambda: (False, "faked for the test: fp32 on every CPU")
 
     tok = char_tokenizer()
     rows = make_rows(tok, n=64, seed=0, pack_to=32)
