@@ -267,7 +267,7 @@ def test_compile_composes_with_fsdp2(tmp_path, run):
     """Inductor-compiled blocks (in place) sharded afterwards: same losses as the eager sharded run."""
     out = tmp_path / "compile"
     ranks = _launch([executable("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out", str(out),
-                     "--phases", "compile"], out)
+                     "--phases", "compile"], out, NO_AMX)  # fp32 like the eager run it is compared with
     eager = run[1][0]["full"]["losses"]  # the eager sharded run with the same 4-step schedule
     for res in ranks:
         c = res["compile"]
