@@ -16,6 +16,7 @@ _PRESETS: dict[str, tuple[str, dict]] = {
         "Nothing changed: exactly the stock Trainer with your TrainingArguments. The reference for parity and speed.",
         {"precision": {"dtype": "keep", "tf32": "keep"}, "optimizer": {"name": "keep"},
          "interrupt": {"enabled": False},  # signals keep their default action, as with the stock Trainer
+         "crash_safe": {"asynchronous": False},  # the Trainer waits for its checkpoints, as the stock one does
          "attention": {"implementation": "keep"}, "experts": {"implementation": "keep"},
          "loss": {"scaling": "stock"},  # the stock Trainer's loss scaling, wrong where a head takes its own mean
          # output_dir, the logs and stdout as the stock Trainer leaves them: the report stays in memory

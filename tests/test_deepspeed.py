@@ -244,3 +244,16 @@ def test_memory_budget_keeps_a_batch_the_deepspeed_config_fixes(tmp_path):
     assert {s.micro_batch for s in tried} == {8}
     skipped = {s.level: s.skipped for s in fixed.steps if s.skipped}
     assert "under DeepSpeed ZeRO-2" in skipped.get("+ 8-bit AdamW states", "")  # not tried where it cannot run
+
+
+def test_deepspeeds_engine_saves_synchronously_and_the_plan_says_why(make_args, tiny_model):
+    """Its engine writes its own checkpoint (files, barriers, ``latest``): no background save, stated; an explicit
+    ``asynchronous: true`` is a named fallback."""
+    d = plan_for("auto", fake_caps(**CPU_NO_BF16), tiny_model, ds_args(make_args, zero(2)))["crash_safe"]
+    assert d.settings.asynchronous is False and "DeepSpeed's engine writes its own checkpoint" in d.reason
+    assert d.fallbacks == ()
+    cfg = {"base": "auto", "crash_safe": {"asynchronous": True}}
+    forced = plan_for(cfg, fake_caps(**CPU_NO_BF16), tiny_model, ds_args(make_args, zero(3)))["crash_safe"]
+    assert forced.settings.asynchronous is False
+    assert forced.fallbacks and forced.fallbacks[0].startswith("crash_safe.asynchronous: true -> synchronous")
+    assert plan_for("auto", fake_caps(**CPU_NO_BF16), tiny_model, make_args())["crash_safe"].settings.asynchronous

@@ -30,6 +30,9 @@ class CompileSettings:
     fullgraph: bool = False
     regions: str = "blocks"  # blocks | blocks+head (also compiles final norm + lm_head + loss)
     when: str = "always"  # always | pays_back: the first steps run eager, compile only if the run earns it back
+    # auto: the compiled graphs and kernels saved beside each checkpoint and loaded when a run resumes from it | none
+    # (neither) | a folder: also loaded from and saved to there, for repeated runs (features/compile/cache.py)
+    cache_dir: Any = AUTO
 
 
 @dataclass
@@ -168,6 +171,9 @@ class CrashSafeSettings:
     """Checkpoints written in a staging folder and renamed into place when complete; resume skips incomplete ones."""
 
     enabled: bool = True  # false: in place, as the stock Trainer writes them (file systems without atomic rename)
+    # auto: the tensors are copied to host memory and written by a background thread while training goes on (off
+    # under DeepSpeed, whose engine writes its own checkpoint) | true | false: the Trainer waits for every file
+    asynchronous: Any = AUTO
 
 
 @dataclass

@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple[tuple, Any]] = {
     "checkpointing.enabled": ((AUTO, True, False), True),
     "checkpointing.offload": ((AUTO, True, False), AUTO),
     "tiled_mlp.enabled": ((AUTO, True, False), True),
+    "crash_safe.asynchronous": ((AUTO, True, False), True),
     "sequence_parallel.enabled": ((AUTO, False), AUTO),
     "lora.quantization": ((None, "4bit", "8bit"), None),
     "fsdp.version": ((1, 2), 2),
@@ -119,7 +120,19 @@ def report_path_problem(value: Any) -> str | None:
             "file) or a file or directory path; fix: e.g. report.path: runs/speedup_report.json")
 
 
+def cache_dir_problem(value: Any) -> str | None:
+    """Why ``compile.cache_dir`` is not allowed (None when it is)."""
+    if value is None or value in (AUTO, "none") or (isinstance(value, (str, Path)) and str(value).strip()):
+        return None
+    return (f"compile.cache_dir = {value!r} is not allowed; allowed: 'auto' (the compile cache saved beside each "
+            "checkpoint, loaded on resume), 'none' (no compile cache) or a folder path (also loaded from and saved to "
+            "there, for repeated runs); fix: e.g. compile.cache_dir: auto")
+
+
 def _check_field(key: str, value: Any) -> list[str]:
+    if key == "compile.cache_dir":
+        problem = cache_dir_problem(value)
+        return [problem] if problem else []
     if key == "tiled_mlp.tile_tokens":
         if value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return []

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from ... import compat
 from ...plan_types import OFF, Decision, Outcome, PlanContext
-from . import files, layout
+from . import asynchronous, files, layout
 
 NAME = "crash_safe"
 APPLIES_TO = "train"
@@ -62,19 +62,27 @@ logger = logging.getLogger("hf_speedup")
 class Settings:
     staging: str  # where checkpoint-N is written before the rename (relative to the run's output folder)
     incomplete: str  # where incomplete checkpoints are set aside
+    asynchronous: bool = False  # tensors copied to host memory, files written by a background thread
+    forced: bool = False  # asynchronous: true (a callback acting on on_save does not make the save synchronous)
 
 
 # --------------------------------------------------------------------------------------------- decide
 def decide(ctx: PlanContext) -> Decision:
     settings = Settings(staging=f"_checkpoint-N{files.STAGING_SUFFIX}/checkpoint-N", incomplete=files.INCOMPLETE_DIR)
     if ctx.config.crash_safe.enabled is False:
+        why = ("; asynchronous: false (a background save needs the staging folder)"
+               if ctx.config.crash_safe.asynchronous is True else "")
         return Decision(NAME, requested=False, applied=OFF, settings=settings,
                         reason="off: checkpoints are written in place, as the stock Trainer does (a kill during a "
-                               "save leaves a checkpoint-N that resume picks and fails on)")
-    return Decision(NAME, requested=True, applied=APPLIED, settings=settings, reason=(
+                               "save leaves a checkpoint-N that resume picks and fails on)" + why)
+    background, how, fallbacks = asynchronous.plan(ctx)
+    settings = Settings(staging=settings.staging, incomplete=settings.incomplete, asynchronous=background,
+                        forced=ctx.config.crash_safe.asynchronous is True)
+    return Decision(NAME, requested=True, applied=APPLIED + ("+background" if background else ""), settings=settings,
+                    fallbacks=fallbacks, reason=(
         f"checkpoint-N is written in {settings.staging}, fsync'ed and renamed into place once every rank's part is "
         f"on disk; resume takes the newest complete checkpoint and moves incomplete ones into {files.INCOMPLETE_DIR}/; "
-        "rotation renames before it deletes and keeps the newest complete checkpoint"))
+        f"rotation renames before it deletes and keeps the newest complete checkpoint; {how}"))
 
 
 def training_args(decision: Decision, args) -> dict:
@@ -86,6 +94,20 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
     """Nothing before the Trainer exists: :class:`CrashSafeMixin` acts when a checkpoint is saved."""
 
 
+def callbacks(decision: Decision, trainer, outcome: Outcome) -> list:
+    """At train end the last background save is finished before the report (a callback after this one) is
+    written, so it counts that save."""
+    if not (decision.active and decision.settings.asynchronous):
+        return []
+    from transformers import TrainerCallback
+
+    class WrittenBeforeTheReport(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            asynchronous.drain(trainer)
+
+    return [WrittenBeforeTheReport()]
+
+
 # --------------------------------------------------------------------------------------------- verify
 def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if not decision.active:
@@ -95,6 +117,14 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return False, f"{cls.__name__} lacks CrashSafeMixin: checkpoints are written in place"
     saved = outcome.facts.get("committed", 0)
     done = f"; {saved} checkpoint(s) committed this run, the last {outcome.facts.get('last_committed')}" if saved else ""
+    writer = getattr(trainer, "_speedup_background", None)
+    if writer is not None and writer.record.saved:
+        rec = writer.record
+        done += (f"; {rec.saved} written by the background thread ({rec.written_bytes / 2**20:.1f} MiB in "
+                 f"{rec.write_seconds:.2f} s beside training; training blocked {outcome.facts.get('blocked_seconds', 0)}"
+                 " s in all its saves)")
+    if outcome.facts.get("failed_saves"):
+        done += f"; {len(outcome.facts['failed_saves'])} background save(s) FAILED: {outcome.facts['failed_saves']}"
     for method in ("_save_checkpoint", "_get_output_dir"):
         owner = next(k for k in cls.__mro__ if method in vars(k))
         if owner is not CrashSafeMixin and not saved:  # an override that may or may not call super()
@@ -219,7 +249,15 @@ class CrashSafeMixin:
         Trainer's own error)."""
         resume_from_checkpoint = resolve_resume(self, resume_from_checkpoint)
         self.speedup_resumed_from = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            asynchronous.drain(self)  # train() returns (or raises) once the last checkpoint is written
+
+    def _load_best_model(self, *args, **kwargs):
+        """The best checkpoint may be the save still being written: wait for it."""
+        asynchronous.drain(self)
+        return super()._load_best_model(*args, **kwargs)
 
     def _run_epoch(self, *args, **kwargs):
         """Nothing left to train (resumed from the checkpoint of a run that reached ``max_steps``): stop, where the
@@ -257,7 +295,10 @@ class CrashSafeMixin:
     def _save_checkpoint(self, model, trial) -> None:
         if not _on(self):
             return super()._save_checkpoint(model, trial)
-        _, outcome = _state(self)
+        started = time.perf_counter()
+        asynchronous.drain(self)  # one save in flight: the previous one is complete (or failed) before this starts
+        decision, outcome = _state(self)
+        why_sync = asynchronous.sync_reason(self, decision, trial)
         run_dir = super()._get_output_dir(trial)
         step = self.state.global_step
         name = files.checkpoint_name(step)
@@ -270,9 +311,11 @@ class CrashSafeMixin:
         self.accelerator.wait_for_everyone()  # no rank writes into the staging folder before it is clean
         self._speedup_best_as_stock(run_dir, step)
         self._speedup_staging, self._speedup_deferred_push = root, False
+        writes: list = []
         try:
             with _discarded_on_error(root, run_dir, writer):
-                super()._save_checkpoint(model, trial)
+                with asynchronous.capture(self, writes) if why_sync is None else contextlib.nullcontext():
+                    super()._save_checkpoint(model, trial)
         finally:
             self._speedup_staging = None
         staged = os.path.join(root, name)
@@ -284,20 +327,36 @@ class CrashSafeMixin:
             self.state.best_model_checkpoint = final
             if writer:
                 self.state.save_to_json(os.path.join(staged, files.TRAINER_STATE))
-        self.accelerator.wait_for_everyone()  # every rank's part (shards, RNG state) is written
-        with _main_process_first(self):
-            if writer:
-                started = time.perf_counter()
-                with _discarded_on_error(root, run_dir, writer):  # fsync may report a full disk too
-                    files.commit(root, name, run_dir)
-                outcome.facts["commit_seconds"] = round(time.perf_counter() - started, 4)
-                if self._speedup_deferred_push:
-                    super()._push_from_checkpoint(final)
-                self._speedup_rotate(run_dir, final)
+        if why_sync is None:
+            push = self._speedup_deferred_push
+            asynchronous.submit(self, writes, root, name, run_dir,
+                                lambda: self._speedup_commit(root, name, run_dir, push), outcome,
+                                lambda: _count_committed(outcome, final))
+            if asynchronous.finishes_run(self):
+                asynchronous.drain(self)
+        else:
+            self.accelerator.wait_for_everyone()  # every rank's part (shards, RNG state) is written
+            with _main_process_first(self):
+                if writer:
+                    with _discarded_on_error(root, run_dir, writer):  # fsync may report a full disk too
+                        self._speedup_commit(root, name, run_dir, self._speedup_deferred_push)
+            self.accelerator.wait_for_everyone()  # no rank goes on (or exits) before checkpoint-N is in place
+            _count_committed(outcome, final)
+            if decision.settings.asynchronous:
+                outcome.facts.setdefault("synchronous_saves", []).append(f"{name}: {why_sync}")
         self._speedup_deferred_push = False
-        self.accelerator.wait_for_everyone()  # no rank goes on (or exits) before checkpoint-N is in place
-        outcome.facts["committed"] = outcome.facts.get("committed", 0) + 1
-        outcome.facts["last_committed"] = final
+        asynchronous.record_facts(self, outcome, time.perf_counter() - started, background=why_sync is None)
+
+    def _speedup_commit(self, root: str, name: str, run_dir: str, push: bool) -> None:
+        """On the saving process, once every rank's files are written: fsync, rename into place, push, rotate."""
+        _, outcome = _state(self)
+        final = os.path.join(run_dir, name)
+        started = time.perf_counter()
+        files.commit(root, name, run_dir)
+        outcome.facts["commit_seconds"] = round(time.perf_counter() - started, 4)
+        if push:
+            super()._push_from_checkpoint(final)
+        self._speedup_rotate(run_dir, final)
 
     def _speedup_best_as_stock(self, run_dir: str, step: int) -> None:
         """``best_model_checkpoint`` as the Trainer sets it from the run folder, which it does not see during a
@@ -334,6 +393,11 @@ class CrashSafeMixin:
                 except OSError as exc:  # as the Trainer's rmtree(ignore_errors=True): never ends a run
                     logger.warning("hf_speedup crash_safe: could not delete %s (%s)", checkpoint, exc)
                 remaining -= 1
+
+
+def _count_committed(outcome: Outcome, final: str) -> None:
+    outcome.facts["committed"] = outcome.facts.get("committed", 0) + 1
+    outcome.facts["last_committed"] = final
 
 
 TRAINER_HOOKS = CrashSafeMixin  # the Trainer methods a staged save changes
