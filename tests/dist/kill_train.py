@@ -37,6 +37,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -60,6 +61,7 @@ class Writes:
         self.kill_at = kill_at
         self.kill_where = re.compile(kill_where) if kill_where else None
         self.log: list[list] = []  # [index, kind, path relative to root]
+        self.threads: list[str] = []  # the thread of each write (a background save writes on its own thread)
         self.saved: dict = {}
 
     def _rel(self, path) -> str | None:
@@ -71,6 +73,7 @@ class Writes:
 
     def _due(self, kind: str, rel: str) -> bool:
         self.log.append([len(self.log) + 1, kind, rel])
+        self.threads.append(threading.current_thread().name)
         if self.kill_at is not None:
             return len(self.log) == self.kill_at
         return self.kill_where is not None and self.kill_where.search(rel) is not None
@@ -254,6 +257,7 @@ def run(ns) -> int:
         res["losses"] = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
         res["global_step"] = trainer.state.global_step
     res["writes"] = writes.log
+    res["write_threads"] = writes.threads
     status = getattr(trainer, "speedup_status", None)
     if status is not None and "crash_safe" in status:
         res["crash_safe"] = status["crash_safe"].to_dict()
@@ -397,6 +401,7 @@ def sweep(ns) -> int:
             rows.append({
                 "preset": preset, "trainer": ns.trainer, "point": name,
                 "write": write, "delay_s": round(delay, 3) if delay else None,
+                "thread": full["write_threads"][write[0] - 1] if write else None,
                 "killed_by": signal.Signals(killed_by).name if killed_by else None,
                 "left_on_disk": left[:200],
                 "incomplete_left": incomplete,

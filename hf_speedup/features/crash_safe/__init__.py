@@ -95,17 +95,7 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
 
 
 def callbacks(decision: Decision, trainer, outcome: Outcome) -> list:
-    """At train end the last background save is finished before the report (a callback after this one) is
-    written, so it counts that save."""
-    if not (decision.active and decision.settings.asynchronous):
-        return []
-    from transformers import TrainerCallback
-
-    class WrittenBeforeTheReport(TrainerCallback):
-        def on_train_end(self, args, state, control, **kwargs):
-            asynchronous.drain(trainer)
-
-    return [WrittenBeforeTheReport()]
+    return asynchronous.callbacks(decision, trainer)
 
 
 # --------------------------------------------------------------------------------------------- verify
@@ -117,14 +107,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return False, f"{cls.__name__} lacks CrashSafeMixin: checkpoints are written in place"
     saved = outcome.facts.get("committed", 0)
     done = f"; {saved} checkpoint(s) committed this run, the last {outcome.facts.get('last_committed')}" if saved else ""
-    writer = getattr(trainer, "_speedup_background", None)
-    if writer is not None and writer.record.saved:
-        rec = writer.record
-        done += (f"; {rec.saved} written by the background thread ({rec.written_bytes / 2**20:.1f} MiB in "
-                 f"{rec.write_seconds:.2f} s beside training; training blocked {outcome.facts.get('blocked_seconds', 0)}"
-                 " s in all its saves)")
-    if outcome.facts.get("failed_saves"):
-        done += f"; {len(outcome.facts['failed_saves'])} background save(s) FAILED: {outcome.facts['failed_saves']}"
+    done += asynchronous.verified(trainer, outcome)
     for method in ("_save_checkpoint", "_get_output_dir"):
         owner = next(k for k in cls.__mro__ if method in vars(k))
         if owner is not CrashSafeMixin and not saved:  # an override that may or may not call super()

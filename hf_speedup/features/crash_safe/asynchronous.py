@@ -176,3 +176,31 @@ def record_facts(trainer, outcome, blocked: float, background: bool) -> None:
                      waited_for_previous_seconds=round(rec.waited_seconds, 4),
                      host_staging_bytes=trainer._speedup_host_stage.held_bytes)
 
+
+
+def callbacks(decision, trainer) -> list:
+    """At train end the last background save is finished before the report (a callback after this one) is
+    written, so it counts that save."""
+    if not (decision.active and decision.settings.asynchronous):
+        return []
+    from transformers import TrainerCallback
+
+    class WrittenBeforeTheReport(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            drain(trainer)
+
+    return [WrittenBeforeTheReport()]
+
+
+def verified(trainer, outcome) -> str:
+    """What the background saves of this run did, for the report's reason."""
+    writer = getattr(trainer, "_speedup_background", None)
+    out = ""
+    if writer is not None and writer.record.saved:
+        rec = writer.record
+        out += (f"; {rec.saved} written by the background thread ({rec.written_bytes / 2**20:.1f} MiB in "
+                f"{rec.write_seconds:.2f} s beside training; training blocked {outcome.facts.get('blocked_seconds', 0)}"
+                " s in all its saves)")
+    if outcome.facts.get("failed_saves"):
+        out += f"; {len(outcome.facts['failed_saves'])} background save(s) FAILED: {outcome.facts['failed_saves']}"
+    return out

@@ -22,7 +22,7 @@ from typing import Callable
 import safetensors.torch
 import torch
 
-from .staging import HostStage
+from .staging import HostStage, tensor_bytes
 
 REAL_SAVE_FILE = safetensors.torch.save_file
 # the libraries whose modules may hold save_file under their own name (``from safetensors.torch import save_file``)
@@ -40,16 +40,6 @@ class Write:
 
 def _file_key(path) -> str:
     return os.path.basename(os.fspath(path))
-
-
-def _bytes_of(obj) -> int:
-    from torch.utils import _pytree as pytree
-
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    return sum(local(t).numel() * local(t).element_size() for t in pytree.tree_leaves(obj)
-               if isinstance(t, torch.Tensor))
 
 
 def _save_file_aliases() -> list[tuple[object, str, Callable]]:
@@ -84,7 +74,7 @@ def deferred_writes(stage: HostStage, writes: list[Write], group=None):
         frozen = stage.freeze(obj, _file_key(f))
         if frozen is None:  # no room for its host copy: written now
             return real_torch_save(obj, f, *args, **kwargs)
-        writes.append(Write(os.fspath(f), lambda: real_torch_save(frozen, f, *args, **kwargs), _bytes_of(frozen)))
+        writes.append(Write(os.fspath(f), lambda: real_torch_save(frozen, f, *args, **kwargs), tensor_bytes(frozen)))
 
     def save_file(tensors, filename, *args, **kwargs):
         if threading.get_ident() != owner:
@@ -93,7 +83,7 @@ def deferred_writes(stage: HostStage, writes: list[Write], group=None):
         if frozen is None:
             return real_save_file(tensors, filename, *args, **kwargs)
         writes.append(Write(os.fspath(filename), lambda: real_save_file(frozen, filename, *args, **kwargs),
-                            _bytes_of(frozen)))
+                            tensor_bytes(frozen)))
 
     def dcp_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None,
                  **kwargs):
@@ -109,7 +99,7 @@ def deferred_writes(stage: HostStage, writes: list[Write], group=None):
         writes.append(Write(where, lambda: real_dcp_save(staged, checkpoint_id=checkpoint_id,
                                                           storage_writer=storage_writer, planner=planner,
                                                           process_group=group if group is not None else process_group,
-                                                          **kwargs), _bytes_of(staged)))
+                                                          **kwargs), tensor_bytes(staged)))
 
     torch.save = torch_save
     dcp.save = dcp_save

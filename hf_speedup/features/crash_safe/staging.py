@@ -77,10 +77,8 @@ class HostStage:
         it does not fit in this save's allowance."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        from .capture import _bytes_of
-
         stager = self.stagers.get(file_key)
-        new = _bytes_of(state_dict) if stager is None else 0
+        new = tensor_bytes(state_dict) if stager is None else 0
         if new > self.allowance:
             self.no_room.append(f"{file_key} (its host copy needs {new / 2**30:.2f} GiB more; {self.free / 2**30:.2f} "
                                 f"GiB of host memory was free, at most {FREE_MEMORY_SHARE:.0%} of it for staging)")
@@ -115,6 +113,15 @@ class HostStage:
         if self.device_copies and torch.cuda.is_available():
             torch.cuda.synchronize()
         self.device_copies = False
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in ``obj`` (this rank's shards of DTensors)."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    return sum(local(t).numel() * local(t).element_size() for t in pytree.tree_leaves(obj)
+               if isinstance(t, torch.Tensor))
 
 
 def free_host_bytes() -> int:
