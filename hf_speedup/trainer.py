@@ -8,6 +8,7 @@ loop stays the Trainer's.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import typing
@@ -25,6 +26,7 @@ from .stock import buildable_precision
 from .presets import resolve
 from .report import Report
 from .report.collector import SpeedupCallback
+from .report.goodput import DATA_WAIT, EVALUATION
 from .runner import Speedup, prepare_inputs, trainer_hooks
 
 logger = logging.getLogger("hf_speedup")
@@ -119,6 +121,20 @@ class SpeedupMixin(*trainer_hooks()):
         if callback is not None:
             callback.count_batch(inputs)
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def get_batch_samples(self, *args: Any, **kwargs: Any):
+        """Stock batch fetch; the report times it as waiting for data (its goodput's ``data`` part)."""
+        with self._speedup_phase(DATA_WAIT):
+            return super().get_batch_samples(*args, **kwargs)
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        """Stock evaluation; during training the report times it as the wall clock's ``eval`` part."""
+        with self._speedup_phase(EVALUATION):
+            return super().evaluate(*args, **kwargs)
+
+    def _speedup_phase(self, name: str):
+        callback = getattr(self, "speedup_callback", None)
+        return callback.phase(name) if callback is not None else contextlib.nullcontext()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Stock log; the ``report_to`` trackers also get the ``hf_speedup/*`` metrics of a training log, while

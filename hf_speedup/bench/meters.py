@@ -1,10 +1,11 @@
 """What a bench worker measures besides time: the tokens of each optimizer step, counted as the trainer's
-``training_step`` receives its batches, on CPU one step's live tensor bytes under torch's MemTracker, and with
-``--breakdown`` where one profiled step's time goes."""
+``training_step`` receives its batches, what of each step waited for data, saved or compiled, on CPU one step's
+live tensor bytes under torch's MemTracker, and with ``--breakdown`` where one profiled step's time goes."""
 
 from __future__ import annotations
 
 from ..features.profile.breakdown import time_breakdown
+from ..report.goodput import PhaseClock
 from ..report.measure import attention_length, batch_counts
 from ..report.measure.memory_watch import NoHook
 
@@ -30,6 +31,39 @@ class TokenMeter:
         """S of the FLOPs formula over every step: sum(L_i^2) / sum(L_i) of the sequences trained on."""
         counts = [x for parts in self.steps for x in parts]
         return attention_length(sum(int(x[2]) for x in counts), sum(int(x[3]) for x in counts)) if counts else None
+
+
+class StepSplit:
+    """Per timed step, the seconds it waited for data (inside the trainer's ``get_batch_samples``), was blocked by a
+    save (from the last event before it to ``on_save``) and compiled (dynamo's compile seconds): what of the step is
+    not productive (report/goodput.py's parts, on the bench's clock)."""
+
+    KEYS = ("data", "save", "compile")
+
+    def __init__(self) -> None:
+        self.clock = PhaseClock(("data", "save"))
+        self.steps: list[dict] = []
+        self.last: dict | None = None
+
+    def _snapshot(self) -> dict:
+        now = self.clock.now()
+        net, _ = self.clock.totals(now)
+        return {"data": net["data"], "save": net["save"], "compile": now[1]}
+
+    def begin(self) -> None:
+        """The first step's clock starts."""
+        self.last = self._snapshot()
+        self.clock.mark()
+
+    def close_step(self) -> None:
+        """A timed step ended: what of it went to each part since the previous one."""
+        snap = self._snapshot()
+        last = self.last or snap
+        self.steps.append({k: round(max(0.0, snap[k] - last[k]), 6) for k in self.KEYS})
+        self.last = snap
+
+    def per_step(self) -> dict[str, list[float]]:
+        return {k: [s[k] for s in self.steps] for k in self.KEYS}
 
 
 class MemoryProbe:

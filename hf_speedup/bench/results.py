@@ -17,6 +17,9 @@
   loss, optimizer, data, compiled, elementwise, overhead), in ``bench.json`` and the notes;
 - whole run: process start to the end of the last timed step (set-up, cold compile, every recompile and every
   step), and the tokens of all timed steps over it (whole-run tokens/s, beside the steady figure);
+- goodput: the productive part of the whole run: the timed steps' seconds less what of them waited for data
+  (the trainer's ``get_batch_samples``), was blocked by saves and compiled (dynamo's compile seconds), over whole
+  run s; save-blocked s: the saves' part (0 unless the variant saves: the bench's own runs do not);
 - cold start: process start to the end of step 1 with empty compile caches (imports, model, trainer,
   compile and the first step);
 - loss: the mean training loss of the last ``max(1, steps // 5)`` steps, and its difference from stock's
@@ -32,8 +35,9 @@ from ..features.profile.breakdown import breakdown_lines
 from ..report.measure import flops_per_token
 from .options import LORA_REFERENCE, REFERENCE, BenchOptions, preset_config
 
-COLUMNS = ("variant", "tokens/s", "x stock (IQR)", "step ms", "whole run s", "whole-run tokens/s", "peak mem MiB",
-           "peak RSS MiB", "model GFLOP/s", "% matmul peak", "MFU", "cold start s", "loss", "Δ loss")
+COLUMNS = ("variant", "tokens/s", "x stock (IQR)", "step ms", "whole run s", "whole-run tokens/s", "goodput",
+           "save-blocked s", "peak mem MiB", "peak RSS MiB", "model GFLOP/s", "% matmul peak", "MFU", "cold start s",
+           "loss", "Δ loss")
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -103,6 +107,7 @@ def summarize(rows: dict[str, dict], options: BenchOptions) -> list[dict]:
             "cold_start_s": (row.get("setup_s") or 0.0) + seconds[0],
             "whole_run_s": (row.get("setup_s") or 0.0) + sum(seconds),
             "whole_run_tokens_per_second": sum(tokens) / ((row.get("setup_s") or 0.0) + sum(seconds)),
+            **whole_run_split(result.get("step_split"), seconds, (row.get("setup_s") or 0.0) + sum(seconds)),
             "page_faults_per_step": statistics.median(row["faults"][warmup:n]) if row["faults"][warmup:n] else None,
             "peak_memory_bytes": result.get("peak_memory_bytes"),
             "peak_memory_source": result.get("peak_memory_source"),
@@ -136,6 +141,18 @@ def summarize(rows: dict[str, dict], options: BenchOptions) -> list[dict]:
     return out
 
 
+def whole_run_split(split: dict | None, seconds: list[float], whole: float) -> dict:
+    """Goodput and the unproductive seconds of the timed steps (empty where the worker did not split them: custom
+    variants)."""
+    n = len(seconds)
+    if not split or any(len(split.get(k) or ()) < n for k in ("data", "save", "compile")):
+        return {}
+    data, save, compiled = (sum(split[k][:n]) for k in ("data", "save", "compile"))
+    productive = max(0.0, sum(seconds) - data - save - compiled)
+    return {"goodput": productive / whole if whole > 0 else None, "productive_step_s": productive,
+            "save_blocked_s": save, "data_wait_s": data, "compile_s": compiled}
+
+
 # ------------------------------------------------------------------------------------------- table
 def _num(value, fmt: str) -> str:
     return "" if value is None else format(value, fmt)
@@ -163,6 +180,8 @@ def table_rows(entries: list[dict]) -> list[list[str]]:
         matmul = m.get("fraction_of_matmul_peak")
         rows.append([e["name"], f"{m['tokens_per_second']:,.0f}", ratio, f"{1e3 * m['step_time_s']:.1f}",
                      _num(m.get("whole_run_s"), ".1f"), _num(m.get("whole_run_tokens_per_second"), ",.0f"),
+                     f"{100 * m['goodput']:.1f}%" if m.get("goodput") is not None else "",
+                     _num(m.get("save_blocked_s"), ".2f"),
                      _mib(m.get("peak_memory_bytes")), _mib(m.get("peak_rss_bytes")),
                      _num(flops / 1e9 if flops is not None else None, ",.1f"),
                      f"{100 * matmul:.1f}%" if matmul is not None else "", mfu,
@@ -182,6 +201,9 @@ def notes(entries: list[dict], options: BenchOptions, device: str) -> list[str]:
     out = [f"x stock: median over {options.steps - options.warmup_steps} steady steps of the per-step ratio of "
            f"tokens/s to stock's (first {options.warmup_steps} step(s) left out), interquartile range in brackets."]
     ok = [e for e in entries if e["status"] == "ok"]
+    if any(e["metrics"].get("goodput") is not None for e in ok):
+        out.append("goodput: the timed steps' seconds less their wait for data, saves and compiling, over whole run s; "
+                   "save-blocked s: the saves' part of it.")
     if device == "cuda":
         out.append("peak mem: CUDA max_memory_allocated over the run.")
     else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from .meters import TokenMeter
+from .meters import StepSplit, TokenMeter
 from .options import LORA_REFERENCE, preset_config
 
 
@@ -85,19 +85,26 @@ def training_kwargs(spec: dict) -> dict:
                 dataloader_num_workers=0, bf16=spec["bf16"], use_cpu=spec["device"] == "cpu")
 
 
-def counting(cls, meter: TokenMeter):
-    """``cls`` with its batches counted as ``training_step`` receives them (the same hook for every variant)."""
+def counting(cls, meter: TokenMeter, split: StepSplit | None = None):
+    """``cls`` with its batches counted as ``training_step`` receives them and (with ``split``) its wait for data
+    timed (the same hooks for every variant)."""
 
     class Counted(cls):
         def training_step(self, model, inputs, num_items_in_batch=None):
             meter.add(inputs)
             return super().training_step(model, inputs, num_items_in_batch)
 
+        def get_batch_samples(self, *args, **kwargs):
+            if split is None:
+                return super().get_batch_samples(*args, **kwargs)
+            with split.clock.phase("data"):
+                return super().get_batch_samples(*args, **kwargs)
+
     Counted.__name__ = Counted.__qualname__ = cls.__name__
     return Counted
 
 
-def build_trainer(spec: dict, meter: TokenMeter, tok, dataset):
+def build_trainer(spec: dict, meter: TokenMeter, tok, dataset, split: StepSplit | None = None):
     """The variant's trainer, each run the way its own documentation says."""
     from transformers import Trainer, TrainingArguments
 
@@ -111,16 +118,16 @@ def build_trainer(spec: dict, meter: TokenMeter, tok, dataset):
 
         config = preset_config(name)
         model = build_model(spec, config)
-        return counting(SpeedupTrainer, meter)(model=model, args=TrainingArguments(**kw), train_dataset=dataset,
+        return counting(SpeedupTrainer, meter, split)(model=model, args=TrainingArguments(**kw), train_dataset=dataset,
                                                data_collator=collator, speedup=config)
     if name == "trl-sft":
         from trl import SFTConfig, SFTTrainer
 
         args = SFTConfig(**kw, padding_free=True, max_length=None)
-        return counting(SFTTrainer, meter)(model=build_model(spec), args=args, train_dataset=dataset,
+        return counting(SFTTrainer, meter, split)(model=build_model(spec), args=args, train_dataset=dataset,
                                            processing_class=tok)
     if name == "unsloth":
-        return unsloth_trainer(spec, meter, tok, dataset, kw)
+        return unsloth_trainer(spec, meter, tok, dataset, kw, split)
     model = build_model(spec)
     if name == LORA_REFERENCE:
         model = peft_adapters(model)
@@ -129,11 +136,11 @@ def build_trainer(spec: dict, meter: TokenMeter, tok, dataset):
 
         collator = DataCollatorWithFlattening()
     extra = {"stock-compile": {"torch_compile": True}, "liger": {"use_liger_kernel": True}}.get(name, {})
-    return counting(Trainer, meter)(model=model, args=TrainingArguments(**kw, **extra), train_dataset=dataset,
+    return counting(Trainer, meter, split)(model=model, args=TrainingArguments(**kw, **extra), train_dataset=dataset,
                                     data_collator=collator)
 
 
-def unsloth_trainer(spec: dict, meter: TokenMeter, tok, dataset, kw: dict):
+def unsloth_trainer(spec: dict, meter: TokenMeter, tok, dataset, kw: dict, split: StepSplit | None = None):
     """Unsloth as its docs show it: FastLanguageModel + LoRA adapters + TRL's SFTTrainer (CUDA only)."""
     from unsloth import FastLanguageModel  # imported first thing in this process (see runner.boot_code)
     from trl import SFTConfig, SFTTrainer
@@ -155,4 +162,4 @@ def unsloth_trainer(spec: dict, meter: TokenMeter, tok, dataset, kw: dict):
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         use_gradient_checkpointing="unsloth", random_state=opts["seed"])
     args = SFTConfig(**kw, max_length=opts["seq_len"])
-    return counting(SFTTrainer, meter)(model=model, args=args, train_dataset=dataset, processing_class=tok)
+    return counting(SFTTrainer, meter, split)(model=model, args=args, train_dataset=dataset, processing_class=tok)

@@ -20,7 +20,7 @@ import traceback
 from types import SimpleNamespace
 
 from .data import as_dataset, make_rows
-from .meters import MemoryProbe, StepProfiler, TokenMeter
+from .meters import MemoryProbe, StepProfiler, StepSplit, TokenMeter
 from .variants import build_trainer, random_model, tokenizer_for
 
 
@@ -74,8 +74,9 @@ class Clock:
 
 def bench_callback(clock: Clock, meter: TokenMeter, memory: MemoryProbe, loss_steps: set[int],
                    track_at: int | None, device: str, profiler: StepProfiler | None = None,
-                   profile_at: int | None = None):
-    """The TrainerCallback of the lock step; added last, so every other callback's work is inside the step."""
+                   profile_at: int | None = None, split: StepSplit | None = None):
+    """The TrainerCallback of the lock step; added last, so every other callback's work is inside the step.
+    ``split``: what of each timed step waited for data, was blocked by a save or compiled."""
     from transformers import TrainerCallback
 
     class BenchCallback(TrainerCallback):
@@ -85,6 +86,8 @@ def bench_callback(clock: Clock, meter: TokenMeter, memory: MemoryProbe, loss_st
 
                 torch.cuda.reset_peak_memory_stats()
             clock.ready()
+            if split is not None:
+                split.begin()
 
         def on_step_begin(self, args, state, control, model=None, optimizer=None, **kw):
             if track_at is not None and state.global_step == track_at:
@@ -93,6 +96,8 @@ def bench_callback(clock: Clock, meter: TokenMeter, memory: MemoryProbe, loss_st
         def on_step_end(self, args, state, control, **kw):
             seconds, faults = clock.stop()
             meter.close_step()
+            if split is not None:
+                split.close_step()
             if track_at is not None and state.global_step == track_at + 1:
                 memory.stop()
             if profile_at is not None and state.global_step == profile_at:
@@ -100,8 +105,18 @@ def bench_callback(clock: Clock, meter: TokenMeter, memory: MemoryProbe, loss_st
             if state.global_step in loss_steps:
                 control.should_log = True
             clock.report(state.global_step, seconds, faults)
+            if split is not None:
+                split.clock.mark()  # after the "go": a save of this step is timed from here
             if profile_at is not None and state.global_step == profile_at - 1:
                 profiler.start()  # the parent's "go" for the profiled step has come: from here on it is timed
+
+        def on_log(self, args, state, control, **kw):
+            if split is not None:
+                split.clock.mark()  # the log before a save is not the save
+
+        def on_save(self, args, state, control, **kw):
+            if split is not None:
+                split.clock.saved()  # the trainer's _save_checkpoint has just returned
 
     return BenchCallback()
 
@@ -144,7 +159,8 @@ def peak_rss_bytes() -> int:
     return peak()
 
 
-def summarize_trainer(spec: dict, trainer, meter: TokenMeter, memory: MemoryProbe) -> dict:
+def summarize_trainer(spec: dict, trainer, meter: TokenMeter, memory: MemoryProbe,
+                      split: StepSplit | None = None) -> dict:
     """What the parent needs from this process once training is over."""
     import torch
 
@@ -157,6 +173,8 @@ def summarize_trainer(spec: dict, trainer, meter: TokenMeter, memory: MemoryProb
     device = spec["device"]
     out: dict = {"trainer_class": type(trainer).__name__, "tokens": meter.per_step(),
                  "attention_length": meter.attention_length()}
+    if split is not None:
+        out["step_split"] = split.per_step()
     if device == "cuda":
         out["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated())
         out["peak_memory_source"] = "CUDA max_memory_allocated"
@@ -205,15 +223,15 @@ def run(spec: dict, chan: Channel) -> dict:
     clock = Clock(chan, spec["device"], spec["total_steps"])
     if spec["kind"] == "custom":
         return run_custom(spec, chan, clock, tok, rows, dataset)
-    meter, memory, profiler = TokenMeter(), MemoryProbe(), StepProfiler(spec["device"])
-    trainer = build_trainer(spec, meter, tok, dataset)
+    meter, memory, profiler, split = TokenMeter(), MemoryProbe(), StepProfiler(spec["device"]), StepSplit()
+    trainer = build_trainer(spec, meter, tok, dataset, split)
     n, window = opts["steps"], spec["loss_window"]
     track_at = n if spec["track_memory"] else None
     profile_at = spec["total_steps"] if spec.get("breakdown") else None  # the last step, after the tracked one
     trainer.add_callback(bench_callback(clock, meter, memory, {n - window, n} - {0}, track_at, spec["device"],
-                                        profiler, profile_at))
+                                        profiler, profile_at, split))
     trainer.train()
-    out = summarize_trainer(spec, trainer, meter, memory)
+    out = summarize_trainer(spec, trainer, meter, memory, split)
     if profile_at is not None:
         out["time_breakdown"] = profiler.breakdown or {"steps": 0, "reason": profiler.error or "not profiled"}
     return out

@@ -1,6 +1,6 @@
 """The report's counters across a resume: written beside ``trainer_state.json`` in every checkpoint, read back
 when ``train(resume_from_checkpoint=...)`` starts, so the final report counts the whole run (steps, tokens,
-compile statistics, history), however many times it was interrupted.
+compile statistics, history, where the wall clock went), however many times it was interrupted.
 
 The file is ``checkpoint-<step>/hf_speedup_state.json``; a checkpoint without one (written by the stock
 Trainer, or an older version) resumes with counts starting at the resume, and the report says so.
@@ -44,6 +44,10 @@ class Carried:
     steady_step_times: list = field(default_factory=list)  # the latest ones, bounded: the median's sample
     history: list = field(default_factory=list)
     step_times: list = field(default_factory=list)
+    # where the wall clock went (report/goodput.py's parts plus wall_seconds), summed over the processes of
+    # ``time_split_runs`` train() runs, each up to the checkpoint that carried it: {} in older checkpoints
+    time_split: dict = field(default_factory=dict)
+    time_split_runs: int = 0
 
 
 def write(carried: Carried, checkpoint_dir: str | Path) -> Path | None:

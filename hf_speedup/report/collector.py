@@ -23,11 +23,13 @@ printing off. Only the main process prints and writes.
 The callback holds the hooks; its collaborators do the work: :class:`~.step_clock.StepClock` (step times,
 warm-up steps), :class:`~.log_windows.LogWindows` (a window per training log), :mod:`.run_summary` (the whole
 run's totals and the end-of-train summary), :class:`~.model_facts.ModelFacts` (sizes and peak FLOP/s for MFU),
-:mod:`.carry` (the counters a checkpoint carries into a resume).
+:mod:`.carry` (the counters a checkpoint carries into a resume), :class:`~.goodput.RunClock` (where the wall clock
+goes from process start: set-up, compile, steps, saves, evaluation, data, other; goodput).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -38,6 +40,7 @@ from transformers import TrainerCallback
 
 from ..features.compile.payback import OPENED_AFTER_STEP
 from . import carry
+from . import goodput as G
 from . import measure as M
 from . import sinks
 from .log_windows import LogWindows
@@ -95,6 +98,7 @@ class SpeedupCallback(TrainerCallback):
         self.active = True
         self.finalized = False
         self.clock = StepClock(self.max_step_times)
+        self.run_clock = G.RunClock()  # where the wall clock goes: set-up, compile, steps, saves, ... (goodput)
         self.windows = LogWindows(self.max_history)
         self.carried = carry.Carried()  # counts of the runs before a resume (none: a fresh run)
         self.resumed_from = self.carry_note = None
@@ -116,6 +120,27 @@ class SpeedupCallback(TrainerCallback):
         if self.active:
             self.counter.add(inputs)
             self.memory.batch(inputs)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Called by ``SpeedupTrainer`` around ``get_batch_samples`` ("data") and ``evaluate`` ("eval"): the
+        main thread's time inside goes to that part of the wall clock (report/goodput.py)."""
+        clock = getattr(self, "run_clock", None) if self.active else None
+        entered = False
+        if clock is not None:
+            try:
+                clock.enter(name)
+                entered = True
+            except Exception as exc:  # a report must never end a run
+                logger.warning("hf_speedup: timing %s failed (%r); the report's time split stays incomplete", name, exc)
+        try:
+            yield
+        finally:
+            if entered:
+                try:
+                    clock.leave(name)
+                except Exception as exc:
+                    logger.warning("hf_speedup: timing %s failed (%r)", name, exc)
 
     @_never_breaks_training(on_failure=lambda logs: {})
     def metrics_for_log(self, logs: dict) -> dict:
@@ -168,16 +193,19 @@ class SpeedupCallback(TrainerCallback):
         return self.windows.close(agg, self.clock, self.facts, num_devices(self.trainer),
                                   self.trainer.state.global_step)
 
-    def _totals(self, agg: dict, bounded: bool = False) -> carry.Carried:
+    def _totals(self, agg: dict, bounded: bool = False, split: dict | None = None) -> carry.Carried:
         return run_totals(self.carried, self.clock, self.windows.history, agg, self.trainer.state.global_step,
-                          self.max_history, self.max_step_times, bounded)
+                          self.max_history, self.max_step_times, bounded, split)
 
     def finalize(self) -> Metrics:
         """Steady-state summary of the run into ``trainer.speedup_report`` (every process calls it)."""
         agg = self._gather()
-        total = self._totals(agg)  # a resumed run: the whole run, counts carried from its checkpoint
+        split = self.run_clock.split()  # the wall clock stops here
+        self.run_clock.close()
+        total = self._totals(agg, split=split)  # a resumed run: the whole run, counts carried from its checkpoint
         metrics, measurement = summarize(total, agg, self.clock, self.facts, num_devices(self.trainer), self.trainer,
-                                         self.memory, self.resumed_from, self.carry_note)
+                                         self.memory, self.resumed_from, self.carry_note, split=split,
+                                         origin=self.run_clock.origin_source)
         report = self.trainer.speedup_report
         report.metrics = metrics
         report.measurement = measurement
@@ -207,11 +235,13 @@ class SpeedupCallback(TrainerCallback):
                 sinks.to_wandb(report.to_dict(), summary=False)
             self._write(args)
         self.clock.start()
+        self.run_clock.start()  # set-up ends: the training loop starts
 
     @_never_breaks_training()
     def on_step_begin(self, args, state, control, **kwargs):
         if self.active:
             self.memory.step_begin(state)
+            self.run_clock.enter("steps")
 
     def _compile_opened_after(self) -> int:
         """The step after which ``compile.when: pays_back`` let the blocks compile (-2: not in this run)."""
@@ -222,8 +252,20 @@ class SpeedupCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.active:
             return
+        self.run_clock.leave("steps")
         tracked = self.memory.step_end()  # a step under MemTracker: slower, left out of the steady state
         self.clock.step_end(state.global_step, tracked, self._compile_opened_after)
+        self.run_clock.mark()  # a save of this step is timed from here
+
+    @_never_breaks_training()
+    def on_log(self, args, state, control, **kwargs):
+        if self.active:
+            self.run_clock.mark()  # the log before a save is not the save
+
+    @_never_breaks_training()
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.active:
+            self.run_clock.mark()
 
     @_never_breaks_training()
     def carry_into(self, checkpoint: str) -> None:
@@ -232,7 +274,8 @@ class SpeedupCallback(TrainerCallback):
         into the folder the Trainer has just written. Every process must call it (one collective)."""
         if not self.active:
             return
-        totals = self._totals(self._gather(), bounded=True)
+        # the time split up to now, the save under way included (crash_safe calls this inside its save)
+        totals = self._totals(self._gather(), bounded=True, split=self.run_clock.split(saving=True))
         self._carried_at = self.trainer.state.global_step
         if self.trainer.state.is_world_process_zero and os.path.isdir(checkpoint) and self.settings.path is not None:
             carry.write(totals, checkpoint)
@@ -241,6 +284,7 @@ class SpeedupCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if not self.active:
             return
+        self.run_clock.saved()  # the Trainer's _save_checkpoint has just returned: blocked since the last mark
         if self._carried_at != state.global_step:  # not yet written into the checkpoint
             self.carry_into(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
         if state.is_world_process_zero:

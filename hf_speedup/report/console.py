@@ -171,6 +171,7 @@ def metric_rows(report: dict) -> list[list[str]]:
          "wall clock, compiles and recompiles included"],
         ["samples/s steady", fmt_num(m.get("samples_per_second"), 2), ""],
         ["samples/s whole", fmt_num(m.get("whole_run_samples_per_second"), 2), ""],
+        *goodput_rows(m, x),
         ["step time", fmt_seconds(m.get("step_time_s")),
          f"median of {steady} steady steps of {steps}" if steps else "steady state"],
         ["MFU", fmt_pct(m.get("mfu")), mfu_note],
@@ -205,6 +206,26 @@ def metric_rows(report: dict) -> list[list[str]]:
             if ms > 0:
                 rows.append([f"  {bucket}", f"{split['buckets_percent'][bucket]:.1f}%", fmt_seconds(ms / 1e3)])
     return rows
+
+
+def goodput_rows(m: dict, x: dict) -> list[list[str]]:
+    """The goodput line and the wall clock's parts (none in reports older than them)."""
+    if m.get("goodput") is None:
+        return []
+    split = x.get("time_split") or {}
+    runs, covered = x.get("train_runs") or 1, split.get("runs_covered") or 1
+    how = "productive step time / wall clock from process start"
+    if runs > 1:
+        how += (f" (all {runs} train() runs" if covered == runs else " (this process only") + \
+            f"; this process {fmt_pct(split.get('goodput_this_process'))})"
+    parts = (("set-up", "setup_seconds"), ("compile", "compile_seconds"), ("steps", "productive_step_seconds"),
+             ("saves", "save_blocked_seconds"), ("eval", "eval_seconds"), ("data", "data_wait_seconds"),
+             ("other", "other_seconds"))
+    run = split.get("run") or {}
+    seconds = {"compile_seconds": run.get("compile", m.get("compile_seconds"))}  # the split's own compile part
+    return [["goodput", fmt_pct(m.get("goodput")), how],
+            ["run wall clock", fmt_seconds(m.get("wall_clock_seconds")),
+             ", ".join(f"{label} {fmt_seconds(seconds.get(key, m.get(key)))}" for label, key in parts)]]
 
 
 def metrics_table(report: dict, width: int = 80) -> str:
@@ -260,6 +281,8 @@ def compare_table(reports: list[dict], labels: list[str], width: int = 80) -> st
                                 ("of matmul peak", "fraction_of_matmul_peak", fmt_pct),
                                 ("peak allocated", "peak_memory_allocated_bytes", fmt_bytes),
                                 ("peak reserved", "peak_memory_reserved_bytes", fmt_bytes),
+                                ("goodput", "goodput", fmt_pct),
+                                ("saves blocked", "save_blocked_seconds", fmt_seconds),
                                 ("compile time", "compile_seconds", fmt_seconds),
                                 ("recompile time", "recompile_seconds", fmt_seconds),
                                 ("recompiles", "recompiles", fmt_num), ("graph breaks", "graph_breaks", fmt_num),

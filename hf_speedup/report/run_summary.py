@@ -10,6 +10,7 @@ from typing import Any
 
 from ..model_info import ParamCounts
 from . import carry
+from . import goodput as G
 from . import measure as M
 from .model_facts import ModelFacts
 from .schema import Metrics
@@ -17,10 +18,15 @@ from .step_clock import StepClock
 
 
 def run_totals(carried: carry.Carried, clock: StepClock, history: M.BoundedSeries, agg: dict, global_step: int,
-               max_history: int, max_step_times: int, bounded: bool = False) -> carry.Carried:
+               max_history: int, max_step_times: int, bounded: bool = False,
+               split: dict | None = None) -> carry.Carried:
     """This run's counts plus those carried over from the checkpoint it resumed from (``bounded``: the
-    lists thinned to the collector's limits, as written into a checkpoint)."""
+    lists thinned to the collector's limits, as written into a checkpoint; ``split``: this process's wall clock
+    in :data:`~.goodput.PARTS`, added to the carried one where the checkpoint had one for every earlier run)."""
     c = carried
+    whole = c.time_split_runs == c.segments  # every earlier run's split was carried (none before a fresh run)
+    time_split = (G.combine(c.time_split if whole else {}, split) if split is not None else dict(c.time_split))
+    split_runs = ((c.time_split_runs if whole else 0) + 1) if split is not None else c.time_split_runs
     dyn = clock.compile_diff()
     first = clock.first_step_compile_seconds  # the cold compile; what came after it is recompiling
     recompiled = max(0.0, dyn["compile_seconds"] - first) if first is not None else 0.0
@@ -39,13 +45,15 @@ def run_totals(carried: carry.Carried, clock: StepClock, history: M.BoundedSerie
         recompile_seconds=round(c.recompile_seconds + recompiled, 6),
         graph_breaks=c.graph_breaks + dyn["graph_breaks"], dynamo_frames=c.dynamo_frames + dyn["frames"],
         warmup_global_steps=(c.warmup_global_steps + clock.warmup_global)[:64], steady_step_times=steady,
-        history=thin(history, max_history), step_times=thin(series, max_step_times))
+        history=thin(history, max_history), step_times=thin(series, max_step_times),
+        time_split=time_split, time_split_runs=split_runs)
 
 
 def summarize(total: carry.Carried, agg: dict, clock: StepClock, facts: ModelFacts, devices: int, trainer: Any,
-              memory: M.MemoryWatch, resumed_from: str | None, carry_note: str | None) -> tuple[Metrics, dict]:
+              memory: M.MemoryWatch, resumed_from: str | None, carry_note: str | None, split: dict | None = None,
+              origin: str | None = None) -> tuple[Metrics, dict]:
     """(the summary metrics, the ``measurement`` section) of the whole run ``total``; ``agg`` has every rank's
-    memory peaks."""
+    memory peaks; ``split``: this process's wall clock in :data:`~.goodput.PARTS`, from ``origin``."""
     steps = total.steps
     if total.steady_step_times:
         step_time, steady = float(statistics.median(total.steady_step_times)), total.steps - total.warmup_steps
@@ -80,6 +88,7 @@ def summarize(total: carry.Carried, agg: dict, clock: StepClock, facts: ModelFac
         "compiled_regions": M.compiled_regions(getattr(trainer, "model_wrapped", None), trainer.model),
         "trainable_parameters": params.trainable,
         "total_parameters": params.total,
+        **goodput_metrics(total.time_split),
     })
     metrics.estimated_peak_bytes, memory_entries = memory.summary(tokens, int(getattr(trainer.args,
                                                                   "gradient_accumulation_steps", 1) or 1),
@@ -118,9 +127,38 @@ def summarize(total: carry.Carried, agg: dict, clock: StepClock, facts: ModelFac
         "train_runs": total.segments,  # > 1: resumed; the counts above cover every run since step 0
         "resumed_from": resumed_from,
         "resume_counters": carry_note,
+        "time_split": time_split_entry(total, split, origin),
         **memory_entries,
     }
     return metrics, measurement
+
+
+def goodput_metrics(parts: dict) -> dict:
+    """The summary's goodput figures from the run's wall-clock parts (none without a split)."""
+    if not parts:
+        return {}
+    return {"goodput": G.goodput(parts), "wall_clock_seconds": parts["wall_seconds"],
+            "setup_seconds": parts["setup"], "productive_step_seconds": parts["steps"],
+            "save_blocked_seconds": parts["save"], "eval_seconds": parts["eval"], "data_wait_seconds": parts["data"],
+            "other_seconds": parts["other"]}
+
+
+def time_split_entry(total: carry.Carried, split: dict | None, origin: str | None) -> dict | None:
+    """``measurement.time_split``: the run's parts and this process's, with what each covers."""
+    if split is None:
+        return None
+    if total.segments == 1:
+        covers = f"this process: from its {origin} to the end of training"
+    elif total.time_split_runs == total.segments:
+        covers = (f"the run: {total.segments} train() runs, each earlier one from its process start to the "
+                  f"checkpoint the next resumed from (work after that checkpoint and the time between processes are "
+                  f"not in it), this one from its {origin} to the end of training")
+    else:
+        covers = (f"this process only (from its {origin}): the checkpoint it resumed from carried no time split for "
+                  f"every earlier run")
+    return {"run": dict(total.time_split), "this_process": dict(split), "goodput_this_process": G.goodput(split),
+            "runs_covered": total.time_split_runs, "covers": covers,
+            "definition": "goodput = steps / wall_seconds; the parts sum to wall_seconds: " + ", ".join(G.PARTS)}
 
 
 def thin(items: list, limit: int) -> list:

@@ -14,7 +14,11 @@ it, the sinks (JSON, W&B, console) and ``hf-speedup report`` only read it.
   FLOPs per token x steady tokens/s, all ranks; ``whole_run_model_flops_per_second`` on the wall clock),
   ``matmul_peak_flops_per_second`` (a large GEMM in the run's dtype timed in process at every run, the best
   figure this machine has shown kept; null with ``HF_SPEEDUP_MEASURE=0``) and ``fraction_of_matmul_peak`` (achieved / (matmul peak x devices));
-- ``measurement``: how the metrics were obtained (steps, tokens, FLOPs per token, peak used, dtype ...);
+- ``metrics`` also has the run's ``goodput`` (productive step seconds / wall clock from process start) with the
+  wall clock's parts (``setup_seconds``, ``compile_seconds``, ``productive_step_seconds``, ``save_blocked_seconds``,
+  ``eval_seconds``, ``data_wait_seconds``, ``other_seconds``: they sum to ``wall_clock_seconds``);
+- ``measurement``: how the metrics were obtained (steps, tokens, FLOPs per token, peak used, dtype ...;
+  ``time_split``: the parts of the run and of this process, and what a resumed run's figures cover);
 - ``environment``: package versions and the device;
 - ``history``: one entry per logging step (throughput, step time, memory), bounded in length;
 - ``step_times``: ``[global_step, seconds, compiled]`` per optimizer step, bounded in length;
@@ -72,6 +76,17 @@ class Metrics:
     estimated_peak_bytes: int | None = None  # hf_speedup.estimate_memory: live tensors at the peak (any device)
     trainable_parameters: int | None = None
     total_parameters: int | None = None
+    # goodput (report/goodput.py): the wall clock from process start to the end of training, every train() of a
+    # resumed run up to its checkpoint included, in parts that sum to it: set-up, compile (compile_seconds), the
+    # productive step time, blocked by saves, evaluation, waiting for data, other
+    goodput: float | None = None  # productive_step_seconds / wall_clock_seconds
+    wall_clock_seconds: float | None = None  # process start (psutil create_time) to the end of training
+    setup_seconds: float | None = None  # process start to the first step: imports, model, trainer, checkpoint load
+    productive_step_seconds: float | None = None  # on_step_begin to on_step_end, compiling inside left out
+    save_blocked_seconds: float | None = None  # the main thread in a save (asynchronous: waits for one in flight)
+    eval_seconds: float | None = None  # inside evaluate during training
+    data_wait_seconds: float | None = None  # inside the Trainer's get_batch_samples (the loader's next)
+    other_seconds: float | None = None  # the rest: logging, callbacks, epoch boundaries
 
 
 SUMMARY_METRICS = tuple(f.name for f in dataclasses.fields(Metrics))

@@ -37,7 +37,7 @@ The measurements live in one module per job; this package gathers their names:
 
 from __future__ import annotations
 
-from .dynamo_counters import compile_events, compiled_regions, dynamo_diff, dynamo_snapshot
+from .dynamo_counters import compile_events, compile_seconds, compiled_regions, dynamo_diff, dynamo_snapshot
 from .environment import environment, package_versions
 from .flops import (attention_dims, compute_dtype, flops_per_token, fraction_of_peak, mfu,
                     model_flops_per_second)
@@ -50,7 +50,8 @@ from .tokens import (COUNTS, IGNORE_INDEX, RANK_FIELDS, TokenCounter, aggregate_
 __all__ = [
     "BoundedSeries", "COUNTS", "IGNORE_INDEX", "LiveTensorStep", "MemoryWatch", "RANK_FIELDS", "TokenCounter",
     "aggregate_ranks", "attention_dims", "attention_length", "batch_counts", "compile_events", "compiled_regions",
-    "compute_dtype", "current_rss_bytes", "dynamo_diff", "dynamo_snapshot", "environment", "estimated_peak",
+    "compile_seconds", "compute_dtype", "current_rss_bytes", "dynamo_diff", "dynamo_snapshot", "environment",
+    "estimated_peak",
     "flops_per_token", "fraction_of_peak", "memory_measures", "memory_snapshot", "memory_source", "mfu",
     "model_flops_per_second", "package_versions",
     "peak_rss_bytes", "reset_peak_memory", "steady_state_step_time",

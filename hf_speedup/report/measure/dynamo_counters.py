@@ -7,6 +7,20 @@ import sys
 from typing import Any
 
 
+def compile_seconds() -> float:
+    """Dynamo's compile seconds so far in this process (``dynamo_snapshot()["compile_seconds"]``, cheaper: read at
+    every phase boundary of the report's time split)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0.0
+    try:
+        from torch._dynamo import utils as dutils
+
+        times = getattr(dutils, "compilation_time_metrics", {}) or {}
+        return float(sum(times.get("_compile.compile_inner", ())) + sum(times.get("backward._backward_impl", ())))
+    except Exception:  # pragma: no cover - internals moved
+        return 0.0
+
+
 def dynamo_snapshot() -> dict:
     """Cumulative compile counters of this process (diff two snapshots for one run).
 
