@@ -84,7 +84,8 @@ class TestDecide:
         assert isinstance(d.settings, rc.Settings)
         assert dataclasses.asdict(d.settings) == {"backend": "inductor", "mode": None, "dynamic": None, "fullgraph": False,
                                                   "regions": "blocks", "block_class": "LlamaDecoderLayer",
-                                                  "num_blocks": 4, "cpu_gemm": "default", "when": "always"}
+                                                  "num_blocks": 4, "cpu_gemm": "default", "when": "always",
+                                                  "cache_dir": "auto"}
         assert "4 x LlamaDecoderLayer compiled in place" in d.reason
 
     def test_auto_is_off_on_cpu_and_points_to_fast(self):

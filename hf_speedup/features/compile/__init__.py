@@ -21,7 +21,8 @@ most of a small model's training step.
 
 The modules, in the order a run meets them: ``decision`` (``decide``, ``training_args``), ``install``
 (``apply``, ``callbacks``), ``regions`` (the guarded regions at run time), ``cpu_gemm`` (the CPU GEMM
-autotune), ``payback`` (``compile.when: pays_back``: the regions' shared gate and the callback that opens it)
+autotune), ``payback`` (``compile.when: pays_back``: the regions' shared gate and the callback that opens it),
+``cache`` (the compile cache saved with each checkpoint and loaded before a resumed run compiles: ``write_into``)
 and ``verification`` (``verify``).
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from .cpu_gemm import benchmark_gemm, choose_cpu_gemms, cpu_gemm_pass, cpu_gemm_summary, onednn_fp32_ok, onednn_mm
 from .decision import NAME, NO_CUDAGRAPHS, Settings, changes_model, decide, training_args
+from .cache import write_into
 from .install import apply, callbacks, compile_kwargs_of, settle_cpu_gemm
 from .payback import measure
 from .regions import HEAD_REGIONS, CompiledLoss, GuardedRegion, compile_module, compile_stats, gate_of, guarded_regions
@@ -39,4 +41,4 @@ APPLIES_TO = "model"
 __all__ = ["APPLIES_TO", "HEAD_REGIONS", "NAME", "NO_CUDAGRAPHS", "CompiledLoss", "GuardedRegion", "Settings", "apply",
            "benchmark_gemm", "callbacks", "choose_cpu_gemms", "compile_kwargs_of", "compile_module", "compile_stats",
            "changes_model", "cpu_gemm_pass", "cpu_gemm_summary", "decide", "gate_of", "guarded_regions", "measure", "onednn_fp32_ok", "onednn_mm",
-           "settle_cpu_gemm", "training_args", "verify"]
+           "settle_cpu_gemm", "training_args", "verify", "write_into"]

@@ -28,6 +28,7 @@ class Settings:
     num_blocks: int
     cpu_gemm: str = "default"  # autotune: each CPU GEMM shape on MKL or oneDNN, whichever is faster
     when: str = "always"  # always | pays_back (the first steps eager, compiled only if it earns back; payback.py)
+    cache_dir: str = "auto"  # auto | none | a folder: where the compile cache is saved and loaded from (cache.py)
 
 
 def _off(requested: Any, reason: str, settings: Settings, fallbacks: list | None = None) -> Decision:
@@ -43,7 +44,8 @@ def decide(ctx: PlanContext) -> Decision:
     requested = cfg.enabled
     settings = Settings(backend=cfg.backend, mode=cfg.mode, dynamic=cfg.dynamic, fullgraph=cfg.fullgraph,
                         regions=cfg.regions, block_class=getattr(info, "block_class", None),
-                        num_blocks=getattr(info, "num_blocks", 0), when=_when(cfg.when, caps))
+                        num_blocks=getattr(info, "num_blocks", 0), when=_when(cfg.when, caps),
+                        cache_dir=_cache_dir(cfg.cache_dir))
     explicit = requested is True
     if requested is False:
         return _off(requested, "compile.enabled = false", settings)
@@ -98,6 +100,19 @@ def _when(asked: str, caps) -> str:
     return "pays_back" if asked == "pays_back" and caps.device_type in PAYBACK and not caps.distributed else "always"
 
 
+def _cache_dir(asked) -> str:
+    """``compile.cache_dir`` as the settings carry it: ``auto``, ``none`` (also for null) or the folder's path."""
+    return "none" if asked is None or asked == "none" else str(asked)
+
+
+def _cache_reason(s: Settings) -> str:
+    if s.cache_dir == "none":
+        return ""
+    where = "" if s.cache_dir == "auto" else f" and in {s.cache_dir} (loaded from there by a fresh run)"
+    return (f"compile cache: the compiled graphs and kernels saved beside each checkpoint{where}, loaded before a "
+            "resumed run's first compile (compile.cache_dir: none turns it off)")
+
+
 def _when_reason(asked: str, s: Settings, caps) -> str:
     if asked != "pays_back":
         return ""
@@ -131,6 +146,8 @@ def _on_reason(ctx: PlanContext, s: Settings) -> str:
                      "(inductor's own GEMM templates need frozen weights, so they cannot serve training)")
     if when := _when_reason(ctx.config.compile.when, s, ctx.caps):
         parts.append(when)
+    if cache := _cache_reason(s):
+        parts.append(cache)
     if s.mode == NO_CUDAGRAPHS and ctx.config.compile.mode == "max-autotune":
         parts.append("max-autotune without CUDA graphs: with a dynamic sequence dimension inductor would record "
                      "new graphs for every length seen, their memory pool growing step after step")

@@ -9,6 +9,7 @@ import logging
 
 from ...blocks import find_blocks
 from ...plan_types import Decision, Outcome
+from .cache import CompileCacheCallback, cached_cost
 from .cpu_gemm import cpu_gemm_pass, onednn_fp32_ok
 from .payback import CompileGate, PaybackCallback, payback_key
 from .regions import _compile_head, compile_module, gate_of
@@ -65,9 +66,15 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
 
 
 def callbacks(decision: Decision, trainer, outcome: Outcome) -> list:
-    """``pays_back``: the callback that times the first steps and opens the regions' gate, or declines."""
-    if not decision.active or decision.settings.when != "pays_back":
+    """The compile cache's (loaded at train begin, before ``pays_back`` weighs the compile's cost, and saved with the
+    checkpoints); ``pays_back``: the callback that times the first steps and opens the regions' gate, or declines."""
+    if not decision.active:
         return []
-    plan = trainer.speedup_plan
-    return [PaybackCallback(trainer, outcome, plan.caps, gate_of, static_shapes=decision.settings.dynamic is not True,
-                            key=payback_key(plan.caps, plan.model, plan.config.compile))]
+    out: list = [CompileCacheCallback(trainer, decision, outcome)]
+    if decision.settings.when == "pays_back":
+        plan = trainer.speedup_plan
+        out.append(PaybackCallback(trainer, outcome, plan.caps, gate_of,
+                                   static_shapes=decision.settings.dynamic is not True,
+                                   key=payback_key(plan.caps, plan.model, plan.config.compile),
+                                   cached_cost=cached_cost))
+    return out

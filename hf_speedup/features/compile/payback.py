@@ -16,6 +16,9 @@ measures both on this machine as it goes (the cold step against the eager steps 
 ``COMPILED_STEPS`` compiled steps), and records them (:func:`hf_speedup.measured.record`, keyed by machine, model
 shape and compile settings); a later plan for the same machine and model reads them back at the door (``measure``)
 and decides by them, saying so ("gain 13% and compile 17 s measured on this machine (cached)").
+
+A run that loaded a compile cache (``cache.py``: a resume, or ``compile.cache_dir``) weighs a compile from that cache
+instead: what a run that compiled from it recorded in its header, else a share of the cold compile recorded there.
 """
 
 from __future__ import annotations
@@ -133,12 +136,16 @@ class CompileGate:
 class PaybackCallback(TrainerCallback):
     """Times the first eager steps of the run, then opens the gate or declines (once per gate)."""
 
-    def __init__(self, trainer, outcome: Outcome, caps, gate_of, static_shapes: bool = False, key: dict | None = None):
+    def __init__(self, trainer, outcome: Outcome, caps, gate_of, static_shapes: bool = False, key: dict | None = None,
+                 cached_cost=None):
         self.trainer = trainer
         self.outcome = outcome
         self.gain, _, _, self.source = figures(caps)
-        self.cost = compile_cost(caps, static_shapes)
-        self.cost_text = compile_cost_text(caps, static_shapes) + f" ({self.source})"
+        self.cold = (compile_cost(caps, static_shapes), compile_cost_text(caps, static_shapes) + f" ({self.source})")
+        self.cost, self.cost_text = self.cold
+        # outcome -> (seconds, text) of a compile from the compile cache this run loaded, or None (cache.cached_cost)
+        self.cached_cost = cached_cost
+        self.from_cache = False  # this run loaded a compile cache: its compile costs what the cache says, not a cold one
         self.gate_of = gate_of  # model -> its CompileGate (a model_init trial brings a new model and gate)
         self.key = key  # where this machine's own gain and compile time are recorded (None: not recorded)
         self.where = f"{caps.device_name}, {caps.cpu_threads} threads, torch {caps.torch_version}"
@@ -156,6 +163,7 @@ class PaybackCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.ends, self.after_open = [], []
+        self._weigh_cache()
         if self.outcome.applied == DECLINED:
             self.outcome.applied = None  # taken again below
         self._gate = (None, None)
@@ -182,6 +190,14 @@ class PaybackCallback(TrainerCallback):
             self.outcome.facts[OPENED_AFTER_STEP] = state.global_step
             self.eager_step, self.after_open = step_seconds, [self.ends[-1]]
 
+    def _weigh_cache(self) -> None:
+        """The compile's cost for this run: a cold compile's, or what the compile cache loaded at train begin (the
+        cache's callback runs first) says a compile from it costs."""
+        cached = self.cached_cost(self.outcome) if self.cached_cost is not None else None
+        self.from_cache = cached is not None
+        self.cost, self.cost_text = cached if cached is not None else self.cold
+        self.outcome.facts["payback_compile_cost_s"] = round(self.cost, 3)
+
     def _time_compiled(self, gate: CompileGate) -> None:
         """After the gate opened: the cold step, then ``COMPILED_STEPS`` compiled ones; then this machine's gain and
         cold compile for this model are recorded for later plans (where measuring is on)."""
@@ -195,7 +211,9 @@ class PaybackCallback(TrainerCallback):
                 f"{self.eager_step:.3g} s eager (gain {gain:.0%}), cold compile {compile_s:.3g} s")
         self.outcome.facts["payback_measured"] = {"gain": round(gain, 4), "compile_s": round(compile_s, 2),
                                                   "eager_step_s": self.eager_step, "compiled_step_s": compiled}
-        if self.key is not None and measuring_enabled():
+        if self.from_cache:  # not this machine's cold compile: the cache's header keeps it for the next resume
+            note += " (compiled from the loaded compile cache: not recorded as this machine's cold compile)"
+        elif self.key is not None and measuring_enabled():
             record(KEY, self.key, Measurement({"gain": round(gain, 4), "compile_s": round(compile_s, 2)},
                                               "measured on this machine", self.where))
             note += "; recorded for later plans of this model on this machine"

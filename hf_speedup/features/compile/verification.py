@@ -7,6 +7,7 @@ from __future__ import annotations
 from ... import compat
 from ...plan_types import Decision, Outcome
 from ..probe import steps_trained
+from .cache import refresh
 from .cpu_gemm import cpu_gemm_summary
 from .payback import MEASURED_STEPS
 from .regions import HEAD_REGIONS, guarded_regions
@@ -16,6 +17,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     """Each block of the live model runs a compiled (not fallen back) region."""
     if not decision.active:
         return False, decision.reason
+    refresh(outcome)  # the run's compile cache hits and misses, from torch's counters
     s = decision.settings
     regions = guarded_regions(trainer.model)
     blocks = [r for r in regions if r.kind not in HEAD_REGIONS]

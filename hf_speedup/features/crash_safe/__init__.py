@@ -306,6 +306,9 @@ class CrashSafeMixin:
         collector = getattr(self, "speedup_callback", None)
         if collector is not None:  # the report's counters go in before the rename, like every other file
             collector.carry_into(staged)
+        from ..compile import cache as compile_cache
+
+        compile_cache.write_into(self, staged, final)  # the compiled graphs and kernels travel with the checkpoint
         if self.state.best_model_checkpoint == staged:  # the Trainer saw this step's folder under its staging name
             self.state.best_model_checkpoint = final
             if writer:
