@@ -30,6 +30,7 @@ class Capabilities:
     rank: int = 0
     local_rank: int = 0
     cpu_threads: int = 1
+    cpu_cores: int = 0  # the cores this process may run on (sched_getaffinity); 0: unknown
     torch_version: str = ""
     memory_bytes: int | None = None  # the device's memory: CUDA total_memory, CPU physical RAM (memory.budget: auto)
     device: str = "cpu"  # the device the Trainer trains on ("cuda:1", "cpu"): the plan is made for it
@@ -139,6 +140,13 @@ def _args_device(args: Any):
     return device if isinstance(device, torch.device) else None
 
 
+def _cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 0
+
+
 def probe(args: Any = None) -> Capabilities:
     """Read once the device the Trainer will train on (:func:`training_device`). Touches CUDA only to query it
     (no allocation), and only when the training device is a GPU."""
@@ -149,6 +157,7 @@ def probe(args: Any = None) -> Capabilities:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     common = dict(world_size=world, rank=rank, local_rank=local_rank, cpu_threads=torch.get_num_threads(),
+                  cpu_cores=_cpu_cores(),
                   torch_version=torch.__version__, device=str(device), device_reason=why)
     if device.type == "cuda":
         return _cuda_caps(device.index or 0, common)

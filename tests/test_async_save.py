@@ -160,7 +160,10 @@ def test_a_full_disk_during_the_background_write_keeps_the_previous_checkpoint_a
 
 
 def test_a_callback_that_acts_on_on_save_gets_a_synchronous_save_with_the_reason(tmp_path, make_args, dataset,
-                                                                                  collator):
+                                                                                  collator, monkeypatch):
+    from hf_speedup.features.crash_safe import asynchronous
+
+    monkeypatch.setattr(asynchronous, "_cores_kept_busy", lambda caps: None)  # auto on, whatever this CPU is
     seen = []
 
     class ReadsTheCheckpoint(TrainerCallback):
@@ -189,13 +192,25 @@ def test_a_file_whose_host_copy_does_not_fit_is_written_synchronously_with_the_r
 
 
 # ------------------------------------------------------------------------------------------ the plan
-def test_baseline_saves_synchronously_and_auto_in_the_background(tiny_model):
+def test_auto_saves_in_the_background_where_cores_are_idle_and_baseline_never(tiny_model):
+    """A GPU host, or a CPU with cores training leaves idle: in the background. A CPU whose every core runs
+    training's threads: synchronously, with the reason (``true`` overrides). ``baseline``: synchronously."""
+    from conftest import CUDA_H100, fake_caps
     from hf_speedup.plan import plan_for
 
-    base = plan_for("baseline", model=tiny_model)["crash_safe"]
+    def planned(speedup, **caps):
+        return plan_for(speedup, fake_caps(**caps), tiny_model)["crash_safe"]
+
+    assert planned("auto", **CUDA_H100).settings.asynchronous is True
+    assert "background thread" in planned("auto", **CUDA_H100).reason
+    assert planned("auto", cpu_threads=1, cpu_cores=2).settings.asynchronous is True
+    busy = planned("auto", cpu_threads=2, cpu_cores=2)
+    assert busy.settings.asynchronous is False
+    assert "training keeps every core of this CPU busy (2 thread(s) on 2 core(s))" in busy.reason
+    assert planned({"base": "auto", "crash_safe": {"asynchronous": True}}, cpu_threads=2,
+                   cpu_cores=2).settings.asynchronous is True
+    base = planned("baseline", **CUDA_H100)
     assert base.settings.asynchronous is False and "saved synchronously (asynchronous: false)" in base.reason
-    auto = plan_for("auto", model=tiny_model)["crash_safe"]
-    assert auto.settings.asynchronous is True and "background thread" in auto.reason
 
 
 def test_bad_asynchronous_value_is_one_clear_error():
@@ -234,3 +249,25 @@ def test_sigterm_with_a_write_pending_drains_it_and_exits_as_today(tmp_path, mak
     assert _checkpoints(tmp_path) == ["checkpoint-2", "checkpoint-3"]
     assert all(files.problem(str(tmp_path / n)) is None for n in ("checkpoint-2", "checkpoint-3"))
     assert trainer._speedup_background.pending is None  # nothing left in flight when train() ended
+
+
+def test_the_writer_yields_the_cpu_and_gets_more_of_it_when_a_save_finds_it_unfinished():
+    """Niceness 19 first (the cores training leaves idle); a save that had to wait for the write moves the next
+    writer to 10; a save that finds the write done moves it back."""
+    from hf_speedup.features.crash_safe.background import BackgroundWriter
+
+    writer, seen, gate = BackgroundWriter(), [], threading.Event()
+
+    def work():
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        gate.wait(60)
+
+    writer.submit("checkpoint-1", work)
+    threading.Timer(0.2, gate.set).start()
+    writer.wait(adapt=True)  # the next save came while checkpoint-1 was still being written
+    writer.submit("checkpoint-2", work)
+    writer.pending.thread.join()  # gate stays set: done before the next save
+    writer.wait(adapt=True)
+    writer.submit("checkpoint-3", work)
+    writer.wait()
+    assert seen == [19, 10, 19]

@@ -67,12 +67,13 @@ def _ranks(out: Path, tag: str) -> list[dict]:
 
 @pytest.mark.parametrize("preset", ["auto", "fsdp"])
 def test_two_processes_save_in_the_background_and_a_sigterm_resume_ends_as_the_uninterrupted_run(tmp_path, preset):
-    """DDP (``auto``) and FSDP2 (``fsdp``: its sharded DCP folders too) on 2 CPU processes: every save of the
+    """DDP (``auto``) and FSDP2 (``fsdp``: its sharded DCP folders too) on 2 CPU processes (background saves forced
+    on: ``auto`` saves synchronously where the processes' threads fill the cores): every save of the
     uninterrupted run went through the writer threads; SIGTERM at step 5 (checkpoint-4 possibly still being
     written) drains, saves step 5 and exits; the requeued job ends with the uninterrupted run's weights and losses."""
     def run(tag: str, *extra: str) -> subprocess.CompletedProcess:
         return launch([executable("torchrun"), "--standalone", "--nproc_per_node", "2", str(SCRIPT), "--out",
-                       str(tmp_path), "--tag", tag, "--preset", preset, *extra], check=False)
+                       str(tmp_path), "--tag", tag, "--preset", preset, "--async-save", *extra], check=False)
 
     whole = run("whole")
     assert whole.returncode == 0, whole.stderr[-5000:]

@@ -182,6 +182,13 @@ class _HalfWriter:
 
 
 # ------------------------------------------------------------------------------------------ the run
+def _speedup(ns):
+    """The preset, with background saves forced on (``--async-save``: several processes share the cores, where
+    ``auto`` saves synchronously)."""
+    preset = PRESETS.get(ns.preset, ns.preset)
+    return {"base": preset, "crash_safe": {"asynchronous": True}} if ns.async_save else preset
+
+
 def build_trainer(ns, out_dir: Path, from_checkpoint: bool = False):
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -208,7 +215,7 @@ def build_trainer(ns, out_dir: Path, from_checkpoint: bool = False):
     from hf_speedup import SpeedupTrainer
 
     trainer = SpeedupTrainer(model=model, args=args, train_dataset=ds, data_collator=causal_lm_collator(tok),
-                             callbacks=[Sigterm()], speedup=PRESETS.get(ns.preset, ns.preset))
+                             callbacks=[Sigterm()], speedup=_speedup(ns))
     trainer.speedup_callback.print_tables = False
     return trainer
 
@@ -427,6 +434,7 @@ def main(argv=None) -> int:
     p.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default OUT/TAG)")
     p.add_argument("--trainer", choices=("speedup", "stock"), default="speedup")
     p.add_argument("--preset", default="baseline")
+    p.add_argument("--async-save", action="store_true", help="crash_safe.asynchronous: true on top of the preset")
     p.add_argument("--max-steps", type=int, default=8)
     p.add_argument("--save-steps", type=int, default=2)
     p.add_argument("--save-total-limit", type=int, default=2)

@@ -279,7 +279,7 @@ class CrashSafeMixin:
         if not _on(self):
             return super()._save_checkpoint(model, trial)
         started = time.perf_counter()
-        asynchronous.drain(self)  # one save in flight: the previous one is complete (or failed) before this starts
+        asynchronous.drain(self, adapt=True)  # one save in flight: the previous one is complete (or failed) first
         decision, outcome = _state(self)
         why_sync = asynchronous.sync_reason(self, decision, trial)
         run_dir = super()._get_output_dir(trial)

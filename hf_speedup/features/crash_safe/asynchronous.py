@@ -22,6 +22,7 @@ file whose host copy does not fit in half the host memory free when the save sta
 from __future__ import annotations
 
 import logging
+import os
 
 from . import files
 from .background import BackgroundWriter, all_ranks_agree
@@ -46,7 +47,23 @@ def plan(ctx) -> tuple[bool, str, tuple[str, ...]]:
         why = ("saved synchronously: DeepSpeed's engine writes its own checkpoint (save_checkpoint, with its own "
                "barriers and 'latest' tag) and cannot save in the background")
         return False, why, ((f"crash_safe.asynchronous: true -> synchronous: {why}",) if setting is True else ())
+    if setting is not True and (busy := _cores_kept_busy(ctx.caps)) is not None:
+        return False, busy, ()
     return True, ON, ()
+
+
+def _cores_kept_busy(caps) -> str | None:
+    """Why a background write would take its CPU from the steps (None: there are idle cores, or a GPU trains)."""
+    if caps.device_type != "cpu" or not caps.cpu_cores:
+        return None
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    threads = caps.cpu_threads * processes
+    if threads < caps.cpu_cores:
+        return None
+    return (f"saved synchronously: training keeps every core of this CPU busy ({threads} thread(s) on {caps.cpu_cores} "
+            "core(s)), so a background write takes its CPU from the steps (SmolLM2-135M on 2 cores: the steps beside "
+            "a write 1.2-3x slower and no shorter run, benchmarks/RESULTS.md); crash_safe.asynchronous: true saves "
+            "in the background anyway")
 
 
 def writer_of(trainer) -> BackgroundWriter:
@@ -57,10 +74,11 @@ def writer_of(trainer) -> BackgroundWriter:
     return writer
 
 
-def drain(trainer) -> float:
-    """Wait for the save in flight (if any); the seconds waited."""
+def drain(trainer, adapt: bool = False) -> float:
+    """Wait for the save in flight (if any); the seconds waited. ``adapt``: a save is waiting for it (the writer's
+    priority follows, see :mod:`.background`)."""
     writer = getattr(trainer, "_speedup_background", None)
-    return writer.wait() if writer is not None else 0.0
+    return writer.wait(adapt) if writer is not None else 0.0
 
 
 def _on_save_readers(trainer) -> list[str]:

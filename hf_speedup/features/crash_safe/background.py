@@ -1,8 +1,11 @@
 """The writer thread of asynchronous checkpoints: one save in flight, the next one waits for it.
 
 A thread, not a process: the writes spend their time in ``torch.save``'s and safetensors' C++/Rust code and in
-the kernel's ``write``, while the training thread spends its time in torch's kernels; both release the GIL there
-(``benchmarks/async_save.py`` measures the steps that run beside a write). The thread is not a daemon: a process
+the kernel's ``write``, which release the GIL (a 512 MB ``torch.save`` on a thread left the main thread's longest
+pause at 7 ms). What a write takes from training is CPU: on a CPU device training keeps every core busy, and a
+writer at the same priority slowed the steps beside it 3x (SmolLM2-135M on 2 cores, ``benchmarks/async_save.py``).
+So the writer runs at a low priority (niceness 19: the cores training leaves idle, nearly free on a GPU host) and
+gets more of the CPU (10, then 0) only while writes are found unfinished when the next save comes. The thread is not a daemon: a process
 that ends (an exception, ``sys.exit``) still finishes the checkpoint it started, and it never becomes visible
 half-written, since it is renamed into place last.
 
@@ -14,6 +17,7 @@ made once by every rank together, so they never interleave with the training's c
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,6 +56,7 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self.pending: Pending | None = None
         self.record = SaveRecord()
+        self.level = 0  # index into NICENESS
         self._group = None  # the writers' own process group (several processes)
 
     def group(self):
@@ -66,8 +71,10 @@ class BackgroundWriter:
         """Start writing; the caller has waited for the previous save (:meth:`wait`)."""
         assert self.pending is None or self.pending.done, "one save in flight"
         pending = Pending(name, None, time.perf_counter())  # type: ignore[arg-type]
+        niceness = NICENESS[self.level]
 
         def run() -> None:
+            _yield_the_cpu(niceness)
             try:
                 work()
             except BaseException as exc:  # noqa: BLE001 - reported by wait(), never lost
@@ -80,11 +87,14 @@ class BackgroundWriter:
         self.pending = pending
         pending.thread.start()
 
-    def wait(self) -> float:
-        """Block until the save in flight is finished; the seconds waited."""
+    def wait(self, adapt: bool = False) -> float:
+        """Block until the save in flight is finished; the seconds waited. ``adapt`` (the next save is waiting):
+        the next writer gets more of the CPU if this one was not done, less if it was."""
         pending = self.pending
         if pending is None:
             return 0.0
+        if adapt:
+            self.level = min(self.level + 1, len(NICENESS) - 1) if not pending.done else max(self.level - 1, 0)
         started = time.perf_counter()
         pending.thread.join()
         if pending.error is not None:  # raised outside the save's own handling (a collective with a dead rank)
@@ -100,6 +110,20 @@ class BackgroundWriter:
     @property
     def busy(self) -> bool:
         return self.pending is not None and not self.pending.done
+
+
+# the writer thread's niceness, from the gentlest: a save that had to wait for the previous write moves the next
+# writer one level up (more of the CPU), a save that did not wait moves it one level back
+NICENESS = (19, 10, 0)
+
+
+def _yield_the_cpu(niceness: int) -> None:
+    """Lower this thread's scheduling priority (Linux: per thread), so the writes take the cores training leaves
+    idle instead of slowing its threads down. Where it cannot, the thread runs at the process's priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass
 
 
 def all_ranks_agree(group, ok: bool) -> bool:
