@@ -38,10 +38,10 @@ VARIANTS = {"stock": None, "sync": {"base": "fast", "crash_safe": {"asynchronous
             "async": {"base": "fast", "crash_safe": {"asynchronous": True}}}
 
 
-def one_run(model_dir: str, variant: str, steps: int, save_steps: int, out: str) -> dict:
+def one_run(model_dir: str, variant: str, steps: int, save_steps: int, out: str, cuda: bool = False) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from hf_speedup import SpeedupMixin
     from hf_speedup.tiny import causal_lm_collator, char_tokenizer, make_rows
@@ -72,11 +72,13 @@ def one_run(model_dir: str, variant: str, steps: int, save_steps: int, out: str)
 
     tok = char_tokenizer()
     ds = make_rows(tok, n=2 * steps, seed=0, pack_to=128)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.config.use_cache = False
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_models import load_model
+
+    model = load_model(model_dir, torch.float32)
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-5,
                              save_strategy="steps", save_steps=save_steps, save_total_limit=2, logging_steps=5,
-                             report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+                             report_to=[], use_cpu=not cuda, disable_tqdm=True, dataloader_num_workers=0, seed=0)
     ref: list = [None]
     common = dict(model=model, args=args, train_dataset=ds, data_collator=causal_lm_collator(tok),
                   callbacks=[Steps(ref)])
@@ -127,7 +129,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="a model folder, or llama-300m (benchmarks/bench_models.py)")
+    p.add_argument("--cuda", action="store_true", help="train on the GPU (default: CPU)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -136,14 +139,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.one:
-        print("ROW " + json.dumps(one_run(a.model, a.one, a.steps, a.save_steps, a.out)))
+        print("ROW " + json.dumps(one_run(a.model, a.one, a.steps, a.save_steps, a.out, a.cuda)))
         return 0
     rows = []
     for variant in a.variants:
         out = tempfile.mkdtemp(prefix=f"async_save_{variant}_", dir=a.dir)
         try:
             done = subprocess.run([sys.executable, __file__, "--model", a.model, "--one", variant, "--out", out,
-                                   "--steps", str(a.steps), "--save-steps", str(a.save_steps)],
+                                   "--steps", str(a.steps), "--save-steps", str(a.save_steps)]
+                                  + (["--cuda"] if a.cuda else []),
                                   capture_output=True, text=True)
         finally:
             shutil.rmtree(out, ignore_errors=True)

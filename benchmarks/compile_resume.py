@@ -27,11 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def one_run(model_dir: str, out: str, steps: int, save_at: int, resume: bool, cache: bool) -> dict:
+def one_run(model_dir: str, out: str, steps: int, save_at: int, resume: bool, cache: bool,
+            cuda: bool = False) -> dict:
     sys.path.insert(0, str(ROOT))
     import psutil
     import torch
-    from transformers import AutoModelForCausalLM, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback, TrainingArguments
 
     from hf_speedup import SpeedupTrainer, get_preset
     from hf_speedup.tiny import causal_lm_collator, char_tokenizer, make_rows
@@ -44,11 +45,13 @@ def one_run(model_dir: str, out: str, steps: int, save_at: int, resume: bool, ca
                 first_step.append(time.time() - psutil.Process().create_time())
 
     tok = char_tokenizer()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.config.use_cache = False
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_models import load_model
+
+    model = load_model(model_dir, torch.float32)
     config = get_preset("fast").replace(compile={"when": "always", "cache_dir": "auto" if cache else "none"})
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-5,
-                             save_strategy="steps", save_steps=save_at, logging_steps=1, report_to=[], use_cpu=True,
+                             save_strategy="steps", save_steps=save_at, logging_steps=1, report_to=[], use_cpu=not cuda,
                              disable_tqdm=True, dataloader_num_workers=0, seed=0)
     trainer = SpeedupTrainer(model=model, args=args, train_dataset=make_rows(tok, n=2 * steps, seed=0, pack_to=128),
                              data_collator=causal_lm_collator(tok), speedup=config, callbacks=[FirstStep()])
@@ -64,14 +67,15 @@ def one_run(model_dir: str, out: str, steps: int, save_at: int, resume: bool, ca
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="a model folder, or llama-300m (benchmarks/bench_models.py)")
+    p.add_argument("--cuda", action="store_true", help="train on the GPU (default: CPU)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--save-at", type=int, default=4)
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)  # OUT resume(0/1) cache(0/1)
     a = p.parse_args(argv)
     if a.one:
         out, resume, cache = a.one
-        print("ROW " + json.dumps(one_run(a.model, out, a.steps, a.save_at, resume == "1", cache == "1")))
+        print("ROW " + json.dumps(one_run(a.model, out, a.steps, a.save_at, resume == "1", cache == "1", a.cuda)))
         return 0
     root = Path(tempfile.mkdtemp(prefix="compile_resume_"))
     rows = {}
@@ -84,7 +88,8 @@ def main(argv=None) -> int:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / f"inductor-{name}"), "HF_HUB_OFFLINE": "1",
                    "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false"}
             done = subprocess.run([sys.executable, __file__, "--model", a.model, "--steps", str(a.steps), "--save-at",
-                                   str(a.save_at), "--one", str(out), str(resume), str(cache)], env=env,
+                                   str(a.save_at), "--one", str(out), str(resume), str(cache)]
+                                  + (["--cuda"] if a.cuda else []), env=env,
                                   capture_output=True, text=True)
             row = next((json.loads(x[4:]) for x in done.stdout.splitlines() if x.startswith("ROW ")), None)
             if row is None:

@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_plan.sh all          # both (about 20 minutes on one H100: more than one device call)
 #   bash benchmarks/gpu_plan.sh bench [ARGS] # benchmarks/gpu.py only; ARGS go to it (e.g. --variants stock,fast)
 #   bash benchmarks/gpu_plan.sh long [ARGS]  # benchmarks/long_gpu.py: Llama-3.1-8B-shaped LoRA, stock+gc vs long
+#   bash benchmarks/gpu_plan.sh goodput      # async_save.py and compile_resume.py on a 300M Llama shape (CUDA)
 # Wheels from benchmarks/gpu_wheels.sh (.whl/) are installed first when present. Results go to $OUT (the
 # device machine's output folder) or runs/gpu_plan: device.txt, gpu_tests.log/.xml, bench.{json,md,png,log},
 # bench_logs.tar.gz (at most 8 files, as the device machine returns them). The exit status is the tests'.
@@ -47,5 +48,11 @@ fi
 if [ "$part" = long ]; then
   python3 benchmarks/long_gpu.py --output "$out" "$@" > "$out/long.log" 2>&1
   tail -40 "$out/long.log"
+fi
+if [ "$part" = goodput ]; then
+  python3 benchmarks/async_save.py --model llama-300m --cuda --steps 120 --save-steps 30 > "$out/async_save.log" 2>&1
+  tail -8 "$out/async_save.log"
+  python3 benchmarks/compile_resume.py --model llama-300m --cuda --steps 8 --save-at 4 > "$out/compile_resume.log" 2>&1
+  tail -6 "$out/compile_resume.log"
 fi
 exit $status

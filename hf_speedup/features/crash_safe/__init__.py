@@ -64,6 +64,7 @@ class Settings:
     incomplete: str  # where incomplete checkpoints are set aside
     asynchronous: bool = False  # tensors copied to host memory, files written by a background thread
     forced: bool = False  # asynchronous: true (a callback acting on on_save does not make the save synchronous)
+    synchronous_because: str | None = None  # why the plan saves synchronously (None: in the background)
 
 
 # --------------------------------------------------------------------------------------------- decide
@@ -77,7 +78,8 @@ def decide(ctx: PlanContext) -> Decision:
                                "save leaves a checkpoint-N that resume picks and fails on)" + why)
     background, how, fallbacks = asynchronous.plan(ctx)
     settings = Settings(staging=settings.staging, incomplete=settings.incomplete, asynchronous=background,
-                        forced=ctx.config.crash_safe.asynchronous is True)
+                        forced=ctx.config.crash_safe.asynchronous is True,
+                        synchronous_because=None if background else how)
     return Decision(NAME, requested=True, applied=APPLIED + ("+background" if background else ""), settings=settings,
                     fallbacks=fallbacks, reason=(
         f"checkpoint-N is written in {settings.staging}, fsync'ed and renamed into place once every rank's part is "
@@ -107,7 +109,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         return False, f"{cls.__name__} lacks CrashSafeMixin: checkpoints are written in place"
     saved = outcome.facts.get("committed", 0)
     done = f"; {saved} checkpoint(s) committed this run, the last {outcome.facts.get('last_committed')}" if saved else ""
-    done += asynchronous.verified(trainer, outcome)
+    done += asynchronous.verified(trainer, decision, outcome)
     for method in ("_save_checkpoint", "_get_output_dir"):
         owner = next(k for k in cls.__mro__ if method in vars(k))
         if owner is not CrashSafeMixin and not saved:  # an override that may or may not call super()

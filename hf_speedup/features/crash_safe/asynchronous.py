@@ -210,10 +210,10 @@ def callbacks(decision, trainer) -> list:
     return [WrittenBeforeTheReport()]
 
 
-def verified(trainer, outcome) -> str:
-    """What the background saves of this run did, for the report's reason."""
+def verified(trainer, decision, outcome) -> str:
+    """What the background saves of this run did (or why it saves synchronously), for the report's reason."""
     writer = getattr(trainer, "_speedup_background", None)
-    out = ""
+    out = f"; {decision.settings.synchronous_because}" if decision.settings.synchronous_because else ""
     if writer is not None and writer.record.saved:
         rec = writer.record
         out += (f"; {rec.saved} written by the background thread ({rec.written_bytes / 2**20:.1f} MiB in "
