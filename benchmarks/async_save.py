@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_models import load_model, parser  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -72,9 +74,6 @@ def one_run(model_dir: str, variant: str, steps: int, save_steps: int, out: str,
 
     tok = char_tokenizer()
     ds = make_rows(tok, n=2 * steps, seed=0, pack_to=128)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_models import load_model
-
     model = load_model(model_dir, torch.float32)
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-5,
                              save_strategy="steps", save_steps=save_steps, save_total_limit=2, logging_steps=5,
@@ -128,9 +127,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a model folder, or llama-300m (benchmarks/bench_models.py)")
-    p.add_argument("--cuda", action="store_true", help="train on the GPU (default: CPU)")
+    p = parser(__doc__)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-steps", type=int, default=10)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

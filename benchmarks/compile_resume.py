@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_models import load_model, parser  # noqa: E402
 
 
 def one_run(model_dir: str, out: str, steps: int, save_at: int, resume: bool, cache: bool,
@@ -45,9 +47,6 @@ def one_run(model_dir: str, out: str, steps: int, save_at: int, resume: bool, ca
                 first_step.append(time.time() - psutil.Process().create_time())
 
     tok = char_tokenizer()
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_models import load_model
-
     model = load_model(model_dir, torch.float32)
     config = get_preset("fast").replace(compile={"when": "always", "cache_dir": "auto" if cache else "none"})
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=1e-5,
@@ -66,9 +65,7 @@ def one_run(model_dir: str, out: str, steps: int, save_at: int, resume: bool, ca
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a model folder, or llama-300m (benchmarks/bench_models.py)")
-    p.add_argument("--cuda", action="store_true", help="train on the GPU (default: CPU)")
+    p = parser(__doc__)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--save-at", type=int, default=4)
     p.add_argument("--one", nargs=3, default=None, help=argparse.SUPPRESS)  # OUT resume(0/1) cache(0/1)
