@@ -271,3 +271,15 @@ def test_the_writer_yields_the_cpu_and_gets_more_of_it_when_a_save_finds_it_unfi
     writer.submit("checkpoint-3", work)
     writer.wait()
     assert seen == [19, 10, 19]
+
+
+def test_a_direct_save_outside_train_returns_with_its_checkpoint_written(tmp_path, make_args, dataset, collator):
+    """A caller of ``_save_checkpoint`` outside ``train()`` (a test suite, a user's own loop) finds the files."""
+    trainer = _trainer(tmp_path, make_args, dataset, collator, max_steps=2)
+    trainer.train()
+    trainer.state.global_step = 7
+    trainer.state.max_steps = 0  # nothing says this save finishes a run: only being outside train() does
+    trainer.control.should_training_stop = False
+    trainer._save_checkpoint(trainer.model, trial=None)
+    assert files.problem(str(tmp_path / "checkpoint-7")) is None
+    assert trainer._speedup_background.pending is None

@@ -177,9 +177,11 @@ def _failed(background, outcome, name: str, step, error) -> None:
 
 
 def finishes_run(trainer) -> bool:
-    """This save is the run's last (the final step, or a stop: the interrupt feature's save): wait for its write."""
+    """This save is the run's last (the final step, or a stop: the interrupt feature's save), or made outside
+    ``train()`` (a direct ``_save_checkpoint`` call expects its files when it returns): wait for its write."""
     state = trainer.state
-    return bool(trainer.control.should_training_stop) or (0 < state.max_steps <= state.global_step)
+    return (bool(trainer.control.should_training_stop) or (0 < state.max_steps <= state.global_step)
+            or not getattr(trainer, "is_in_train", True))
 
 
 def record_facts(trainer, outcome, blocked: float, background: bool) -> None:
