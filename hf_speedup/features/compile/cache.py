@@ -72,8 +72,8 @@ def _compile_of(trainer):
     plan, outcomes = getattr(trainer, "speedup_plan", None), getattr(trainer, "speedup_outcomes", None)
     if plan is None or outcomes is None:
         return None
-    decision = plan["compile"]
-    return (decision, outcomes["compile"]) if decision.active else None
+    decision, outcome = getattr(plan, "decisions", {}).get("compile"), outcomes.get("compile")
+    return (decision, outcome) if decision is not None and outcome is not None and decision.active else None
 
 
 def identity(trainer, decision, outcome) -> dict:
