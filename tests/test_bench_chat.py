@@ -87,6 +87,25 @@ class Batches:
         self.meter.close_step()
 
 
+def test_the_stock_bf16_peer_trains_the_stock_trainer_under_bf16_autocast(tmp_path, tokenizer_module):
+    """``stock-bf16``: the stock Trainer with ``bf16=True`` (what a user tries first), whatever the bench's own
+    precision for the peers: its accelerator runs the step under bf16 autocast, the weights stay fp32."""
+    import torch
+    from transformers import Trainer
+
+    from hf_speedup.bench.variants import build_trainer
+
+    data = make_rows(tokenizer_module, "ragged", 8, 64, seed=0)
+    opts = BenchOptions(variants=["stock-bf16"], batch_size=4, steps=2, seq_len=64).to_dict()
+    spec = {"variant": "stock-bf16", "kind": "peer", "options": opts, "device": "cpu", "bf16": False,
+            "output": str(tmp_path), "slug": "stock-bf16", "total_steps": 2}
+    trainer = build_trainer(spec, Batches(), tokenizer_module, data)
+    assert isinstance(trainer, Trainer) and trainer.args.bf16 is True
+    assert trainer.accelerator.mixed_precision == "bf16"
+    trainer.train()
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+
+
 @pytest.mark.parametrize("peer", ["stock-flat", "trl-sft"])
 def test_padding_free_peers_train_on_flat_rows_without_padding(tmp_path, tokenizer_module, peer):
     """Each batch the trainer steps on is one row holding the batch's sequences back to back: no pad token, no

@@ -20,13 +20,13 @@ from .data import RAGGED_RANGE, read_records
 
 REFERENCE = "stock"  # every ratio is taken against it, so it always runs
 LORA_REFERENCE = "stock-peft"  # LoRA variants are also compared with the stock way to LoRA
-PEERS = ("stock", "stock-flat", "stock-compile", "stock-peft", "trl-sft", "liger", "unsloth")
+PEERS = ("stock", "stock-bf16", "stock-flat", "stock-compile", "stock-peft", "trl-sft", "liger", "unsloth")
 DATA_KINDS = ("ragged", "fixed", "docs-chat")
 SCHEDULES = ("auto", "lockstep", "sequential")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
 
-DEFAULT_PEERS = ("stock", "stock-flat", "stock-compile", "trl-sft", "liger", "unsloth")
+DEFAULT_PEERS = ("stock", "stock-bf16", "stock-flat", "stock-compile", "trl-sft", "liger", "unsloth")
 DEFAULT_PRESETS = ("auto", "fast", "memory", "lora")
 
 # Llama-3.2-1B's sizes: the GPU plan builds it from this config (random weights, no hub).

@@ -135,9 +135,11 @@ def build_trainer(spec: dict, meter: TokenMeter, tok, dataset, split: StepSplit 
         from transformers import DataCollatorWithFlattening
 
         collator = DataCollatorWithFlattening()
-    extra = {"stock-compile": {"torch_compile": True}, "liger": {"use_liger_kernel": True}}.get(name, {})
-    return counting(Trainer, meter, split)(model=model, args=TrainingArguments(**kw, **extra), train_dataset=dataset,
-                                    data_collator=collator)
+    # stock-bf16: the first thing a user tries for speed, bf16=True on the stock Trainer (CPU autocast included)
+    extra = {"stock-compile": {"torch_compile": True}, "liger": {"use_liger_kernel": True},
+             "stock-bf16": {"bf16": True}}.get(name, {})
+    return counting(Trainer, meter, split)(model=model, args=TrainingArguments(**{**kw, **extra}),
+                                           train_dataset=dataset, data_collator=collator)
 
 
 def unsloth_trainer(spec: dict, meter: TokenMeter, tok, dataset, kw: dict, split: StepSplit | None = None):

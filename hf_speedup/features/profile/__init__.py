@@ -27,7 +27,6 @@ closed, iff its trace file exists.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -325,11 +324,6 @@ def top_operators(averages, n: int, device: bool) -> dict:
 def _label_order(name: str):
     rest = name[len(LABEL):]
     return (0, int(rest.split(".")[1])) if rest.startswith("block.") else (1, rest)
-
-
-def read_trace(path) -> dict:
-    """A written trace (Chrome trace JSON) as a dict: what Perfetto and TensorBoard load."""
-    return json.loads(Path(path).read_text())
 
 
 # -------------------------------------------------------------------------------------------- verify
