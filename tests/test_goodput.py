@@ -68,7 +68,9 @@ def _run(tokenizer, out, *, evaluate: bool, save: bool, resume=None, callbacks=(
 def full_run(tokenizer, tmp_path_factory):
     """Evaluation and a checkpoint every 2 steps, a slow data set; the trackers' logs kept."""
     tracker = TrackerLogs()
-    with tracking(TrackerLogs):
+    # the first train() of a process, whatever ran before it in this one (the whole suite runs in one process)
+    with tracking(TrackerLogs), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G, "_last_run_end", None)
         trainer = _run(tokenizer, tmp_path_factory.mktemp("full"), evaluate=True, save=True, callbacks=[tracker])
     trainer.tracker = tracker
     return trainer
