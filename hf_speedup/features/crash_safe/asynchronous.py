@@ -194,6 +194,7 @@ def record_facts(trainer, outcome, blocked: float, background: bool) -> None:
         rec = writer.record
         facts.update(background_write_seconds=round(rec.write_seconds, 4),
                      waited_for_previous_seconds=round(rec.waited_seconds, 4),
+                     writer_niceness=rec.niceness,
                      host_staging_bytes=trainer._speedup_host_stage.held_bytes)
 
 

@@ -48,6 +48,7 @@ class SaveRecord:
     write_seconds: float = 0.0
     waited_seconds: float = 0.0  # the training thread waiting for a write still in flight
     written_bytes: int = 0
+    niceness: str = ""  # the last writer's scheduling priority, or why it could not be lowered
 
 
 class BackgroundWriter:
@@ -74,7 +75,7 @@ class BackgroundWriter:
         niceness = NICENESS[self.level]
 
         def run() -> None:
-            _yield_the_cpu(niceness)
+            self.record.niceness = _yield_the_cpu(niceness)
             try:
                 work()
             except BaseException as exc:  # noqa: BLE001 - reported by wait(), never lost
@@ -117,13 +118,16 @@ class BackgroundWriter:
 NICENESS = (19, 10, 0)
 
 
-def _yield_the_cpu(niceness: int) -> None:
+def _yield_the_cpu(niceness: int) -> str:
     """Lower this thread's scheduling priority (Linux: per thread), so the writes take the cores training leaves
-    idle instead of slowing its threads down. Where it cannot, the thread runs at the process's priority."""
+    idle instead of slowing its threads down; what it got, for the report. Where it cannot, the thread runs at the
+    process's priority, and the report says so."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError):
-        pass
+        return str(niceness)
+    except (AttributeError, OSError) as exc:
+        logger.info("hf_speedup crash_safe: the writer thread keeps the process's priority (%s)", exc)
+        return f"the process's (setpriority failed: {exc})"
 
 
 def all_ranks_agree(group, ok: bool) -> bool:
