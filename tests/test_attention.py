@@ -80,7 +80,7 @@ def test_a_kernel_that_cannot_run_falls_back_and_says_so(tiny_model):
 def test_strict_raises_naming_what_runs_here(tiny_model):
     with pytest.raises(SpeedupConfigError, match=r"attention.implementation = 'flash_attention_3' cannot run here "
                                                  r"\(flash_attention_3 runs on CUDA GPUs; this is cpu\).*allowed here: "
-                                                 r"'sdpa', 'sdpa_varlen', 'eager'"):
+                                                 r"'sdpa', 'sdpa_varlen', 'blocked', 'eager'"):
         plan(CPU_NO_BF16, tiny_model, implementation="flash_attention_3", strict=True)
 
 

@@ -208,6 +208,10 @@ def test_the_classifier_sorts_operators_into_buckets():
     assert classify("aten::_grouped_mm") == classify("aten::linear") == "matmul"
     assert classify("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == "attention"
     assert classify("hf_speedup::sdpa_varlen") == classify("aten::_softmax") == "attention"
+    # the blocked CPU kernel's own GEMMs and copies are attention's time, not matmul's
+    assert classify("hf_speedup_cpu::blocked_attention_backward") == "attention"
+    assert classify("aten::bmm", ("hf_speedup_cpu::blocked_attention_forward", "hf_speedup::blocked_attention")) \
+        == classify("aten::copy_", ("hf_speedup::blocked_attention_backward",)) == "attention"
     assert classify("aten::_log_softmax") == classify("aten::nll_loss_backward") == "loss"
     assert classify("aten::cross_entropy_loss") == "loss"
     assert classify("aten::mul", ("hf_speedup/loss", "ProfilerStep#3")) == "loss"  # inside the labelled loss

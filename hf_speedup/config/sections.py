@@ -188,7 +188,7 @@ class DeepSpeedSettings:
 class AttentionSettings:
     """The attention kernel (``config._attn_implementation``), chosen per device, dtype and packing."""
 
-    implementation: str = AUTO  # auto | keep | sdpa | sdpa_varlen | eager | flash_attention_2 | flash_attention_3 | flex_attention
+    implementation: str = AUTO  # auto | keep | sdpa | sdpa_varlen | blocked | eager | flash_attention_2 | flash_attention_3 | flex_attention
     strict: bool = False  # raise instead of falling back when the kernel asked for cannot run here
 
 

@@ -41,7 +41,7 @@ CHOICES: dict[str, tuple[tuple, Any]] = {
     "fsdp.strategy": (("full_shard", "shard_grad_op", "hybrid_shard", "no_shard"), "full_shard"),
     "fsdp.state_dict_type": (("sharded", "full"), "sharded"),
     "data.padding_free": ((AUTO, True, False), AUTO),
-    "attention.implementation": ((AUTO, "keep", "sdpa", "sdpa_varlen", "eager", "flash_attention_2",
+    "attention.implementation": ((AUTO, "keep", "sdpa", "sdpa_varlen", "blocked", "eager", "flash_attention_2",
                                   "flash_attention_3", "flex_attention"), AUTO),
     "experts.implementation": ((AUTO, "keep", "eager", "batched_mm", "grouped_mm"), AUTO),
     "liger.enabled": ((AUTO, True, False), AUTO),

@@ -7,7 +7,9 @@ transformers' own switch (``set_attn_implementation``) and read back from the li
   installed) — both need bf16/fp16 and take padding-free rows as ``cu_seqlens`` — then ``sdpa``;
 - CPU with padding-free rows: ``sdpa_varlen`` (:mod:`.sdpa_varlen`: each sequence on torch's CPU flash
   kernel, no cross-sequence blocks, no ``T x T`` mask), then ``sdpa`` (a block-diagonal mask);
-- CPU otherwise: ``sdpa``; ``eager`` only where a model has nothing better.
+- CPU otherwise: ``sdpa``; ``eager`` only where a model has nothing better;
+- CPU, where the door measured it faster (:mod:`.door`: forward + backward at the model's shapes, length and
+  dtype): ``blocked`` (:mod:`.blocked`: hf_speedup's C++ kernel, large GEMMs per block of queries) ahead of both.
 
 ``flex_attention`` is taken only when asked for, and never for CPU training (torch has no CPU backward for
 it). The model's own features count: ``sdpa`` and ``sdpa_varlen`` need the class's ``_supports_sdpa`` and no
@@ -28,14 +30,16 @@ from ...blocks import unwrap_model
 from ...config import SpeedupConfigError
 from ...plan_types import OFF, Decision, Outcome, PlanContext
 from .. import sequence_parallel
-from . import sdpa_varlen
+from . import blocked, sdpa_varlen
+from .door import MEASURED, measure  # noqa: F401  (the door's hook: plan.measure calls every feature's)
 
 NAME = "attention"
 logger = logging.getLogger("hf_speedup")
 
 FLASH = ("flash_attention_3", "flash_attention_2")
 PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
-KERNELS = ("sdpa", "sdpa_varlen", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+MARGIN = 0.1  # the blocked kernel is taken where it measured > 10% faster than torch's
+KERNELS = ("sdpa", "sdpa_varlen", "blocked", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 @dataclass(frozen=True)
@@ -90,19 +94,24 @@ def usable(name: str, caps, info, dtype: str, packed: bool) -> tuple[bool, str]:
         if caps.device_type == "cpu":
             return False, "torch's flex_attention has no backward on CPU, so it cannot train here"
         return True, ""
-    if name in ("sdpa", "sdpa_varlen"):
+    if name in ("sdpa", "sdpa_varlen", "blocked"):  # blocked's calls it cannot serve go through sdpa
         cap = getattr(info, "attention_softcap", None)
         if cap:
             return False, (f"{info.architecture} caps its attention logits (attn_logit_softcapping={cap:g}), which "
                            "torch's scaled_dot_product_attention cannot apply")
         if "sdpa" not in kernels:
             return False, f"{info.architecture} has no sdpa support (_supports_sdpa is False)"
-    if name == "sdpa_varlen":
+    if name == "blocked":
+        if caps.device_type != "cpu":
+            return False, f"blocked is hf_speedup's CPU kernel; this is {caps.device_type}"
+        if dtype not in ("fp32", "bf16"):
+            return False, f"blocked computes in fp32 or bf16 and the plan trains in {dtype}"
+    if name in ("sdpa_varlen", "blocked"):
         if caps.device_type != "cpu":
             return False, f"sdpa_varlen runs torch's CPU flash kernel; this is {caps.device_type}"
         if getattr(info, "sliding_window", None):
             return False, (f"{info.architecture} attends within a sliding window of {info.sliding_window} tokens; "
-                           "sdpa_varlen computes full causal attention per sequence")
+                           f"{name} computes full causal attention per sequence")
         if getattr(info, "value_head_dim", None):
             return False, (f"{info.architecture}'s values are {info.value_head_dim} wide, narrower than its queries "
                            "and keys; torch's CPU flash kernel needs one head size")
@@ -112,9 +121,35 @@ def usable(name: str, caps, info, dtype: str, packed: bool) -> tuple[bool, str]:
 def ranking(caps, packed: bool) -> list[str]:
     if caps.is_cuda:
         return ["flash_attention_3", "flash_attention_2", "sdpa", "eager"]
+    faster = ["blocked"] if measured_faster(caps) else []
     if caps.device_type == "cpu" and packed:
-        return ["sdpa_varlen", "sdpa", "eager"]
-    return ["sdpa", "eager"]
+        return [*faster, "sdpa_varlen", "sdpa", "eager"]
+    return [*faster, "sdpa", "eager"]
+
+
+def _timings(caps) -> dict:
+    m = caps.measured.get(MEASURED)
+    return dict(m.value) if m is not None and isinstance(m.value, dict) else {}
+
+
+def measured_faster(caps) -> bool:
+    """The door timed the blocked kernel faster than torch's CPU flash kernel at this run's shapes, by more than
+    ``MARGIN`` (a closer figure is within the noise of a shared machine: torch's kernel is kept)."""
+    t = _timings(caps)
+    mine, torch_ = t.get("blocked"), t.get("sdpa_varlen")
+    return isinstance(mine, float) and isinstance(torch_, float) and mine < torch_ * (1 - MARGIN)
+
+
+def measured_text(caps) -> str:
+    """The door's figure, as the reason quotes it (empty where nothing was measured)."""
+    t = _timings(caps)
+    if not t:
+        return ""
+    parts = [f"{k} {v * 1e3:.1f} ms" if isinstance(v, float) else f"{k}: {v}" for k, v in t.items()]
+    mine, torch_ = t.get("blocked"), t.get("sdpa_varlen")
+    ratio = f"blocked {torch_ / mine:.2f}x torch's CPU flash kernel; " if isinstance(mine, float) and \
+        isinstance(torch_, float) else ""
+    return f"measured {ratio}{', '.join(parts)} ({caps.measured[MEASURED].text()})"
 
 
 WHY = {
@@ -122,6 +157,8 @@ WHY = {
     "flash_attention_2": "FlashAttention-2: exact, memory-linear in length; padding-free rows as cu_seqlens",
     "sdpa_varlen": ("padding-free rows on CPU: each sequence through torch's CPU flash kernel (causal), no work "
                     "across sequences and no T x T mask (sdpa would compute the whole row and mask it)"),
+    "blocked": ("hf_speedup's CPU kernel: large GEMMs per block of 128 queries, grouped keys read in place, a fused "
+                "fp32 softmax, sequences of padding-free rows from the position ids"),
     "sdpa": "torch scaled_dot_product_attention",
     "eager": "the model's plain matmul-softmax attention",
     "flex_attention": "torch flex_attention (block-sparse masks, compiled by transformers)",
@@ -183,6 +220,8 @@ def decide(ctx: PlanContext) -> Decision:
         for name, why in skipped:
             grouped.setdefault(why, []).append(name)
         reason += " (not " + "; not ".join(f"{', '.join(names)}: {why}" for why, names in grouped.items()) + ")"
+    if caps.device_type == "cpu" and (figure := measured_text(caps)) and chosen in ("blocked", "sdpa_varlen", "sdpa"):
+        reason += f"; {figure}"
     if packed and chosen in ("sdpa", "eager"):
         reason += "; padding-free rows separated by a block-diagonal mask (the model's cache is kept off for them)"
     if current == chosen:
@@ -204,6 +243,24 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
     name = decision.settings.implementation
     if name == sdpa_varlen.NAME:
         sdpa_varlen.register()
+    if name == blocked.NAME:
+        ok, why = blocked.load()
+        if not ok:
+            if decision.settings.strict:
+                raise SpeedupConfigError([
+                    f"attention.implementation = 'blocked': {why} and attention.strict = true; allowed: 'auto', "
+                    "'sdpa_varlen', 'sdpa', 'keep'; fix: install gcc and ninja, or set attention.strict: false"])
+            name = sdpa_varlen.NAME if decision.settings.packed else "sdpa"
+            note = f"blocked -> {name}: {why}"
+            outcome.fallbacks.append(note)
+            outcome.applied = name
+            outcome.facts["kernel"] = name
+            logger.warning("hf_speedup attention fallback: %s", note)
+            if name == sdpa_varlen.NAME:
+                sdpa_varlen.register()
+        else:
+            blocked.register()
+            outcome.facts["kernel"] = why
     base = unwrap_model(setup.model)
     current = getattr(base.config, "_attn_implementation", None)
     if current != name:
@@ -233,7 +290,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     have = getattr(getattr(base, "config", None), "_attn_implementation", None)
     if not decision.active:
         return False, f"{decision.reason}; config._attn_implementation={have}"
-    want = decision.settings.implementation
+    want = outcome.facts.get("kernel") if outcome.facts.get("kernel") in KERNELS else decision.settings.implementation
     text = f"config._attn_implementation={have}"
     if have != want:
         refused = [f for f in outcome.fallbacks if f.startswith(f"{want}: transformers refused")]
@@ -244,5 +301,13 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         registered = AttentionInterface._global_mapping.get(want) is sdpa_varlen.attention_forward
         text += "; hf_speedup::sdpa_varlen registered with AttentionInterface" if registered else \
             "; sdpa_varlen NOT registered with AttentionInterface"
+        return registered, text
+    if want == blocked.NAME:
+        from transformers import AttentionInterface
+
+        registered = AttentionInterface._global_mapping.get(want) is blocked.attention_forward
+        text += (f"; hf_speedup::blocked_attention registered ({outcome.facts.get('kernel', 'loaded')}); "
+                 f"{blocked.CALLS[0]} kernel call(s) in this process") if registered else \
+            "; blocked NOT registered with AttentionInterface"
         return registered, text
     return True, text

@@ -176,14 +176,28 @@ def _one_head_size(module, query, value) -> bool:
     return False
 
 
+def _varlen(query, key, value, position_ids, scale: float) -> torch.Tensor:
+    out, _ = torch.ops.hf_speedup.sdpa_varlen(query, key, value, position_ids, float(scale))
+    return out
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       is_causal=None, **kwargs):
     """transformers' attention signature; (B, T, H, D) output like ``sdpa_attention_forward``."""
+    return attention_call(NAME, _varlen, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                          is_causal=is_causal, grouped=native_gqa(), dtypes=None, **kwargs)
+
+
+def attention_call(name: str, run, module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                   is_causal=None, grouped: bool = False, dtypes=None, **kwargs):
+    """A per-sequence causal kernel ``run(q, k, v, position_ids, scale) -> (B, H, T, D)`` behind transformers'
+    attention call: the calls it cannot serve (a padding mask, decoding with a cache, dropout, non-causal, another
+    device, a dtype outside ``dtypes``) go to sdpa with a block-diagonal mask where the row is packed."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     if kwargs.get("softcap") is not None:  # as transformers' sdpa: the cap would be silently left out
-        raise ValueError(f"attention sdpa_varlen: {type(module).__name__} caps its attention logits (softcap), which "
-                         "scaled_dot_product_attention cannot apply; fix: set attention.implementation: eager")
+        raise ValueError(f"attention {name}: {type(module).__name__} caps its attention logits (softcap), which "
+                         "this kernel cannot apply; fix: set attention.implementation: eager")
     position_ids = kwargs.get("position_ids")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_len = query.shape[2]
@@ -191,23 +205,30 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                 and query.device.type == "cpu")
     if eligible and position_ids is None:
         raise RuntimeError(
-            f"attention sdpa_varlen: {type(module).__name__} did not pass position_ids to its attention call, so "
+            f"attention {name}: {type(module).__name__} did not pass position_ids to its attention call, so "
             "the sequences of a padding-free row cannot be told apart; fix: set attention.implementation: sdpa")
+    dtype = torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) \
+        else value.dtype
+    if eligible and dtypes is not None and dtype not in dtypes:
+        eligible = False
+        if not _WARNED.get(f"dtype-{name}"):
+            _WARNED[f"dtype-{name}"] = True
+            logger.warning("hf_speedup attention fallback: %s computes in %s, not %s; its calls go through sdpa",
+                           name, ", ".join(str(d) for d in dtypes), dtype)
     if not (eligible and _one_head_size(module, query, value)):
         if attention_mask is None and causal and position_ids is not None and q_len == key.shape[2] and q_len > 1:
             attention_mask = packed_causal_mask(position_ids)  # exact for packed rows, plain causal otherwise
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if torch.is_autocast_enabled(query.device.type):  # what autocast does for sdpa (RoPE leaves q, k in fp32)
-        dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     elif not query.dtype == key.dtype == value.dtype:
         query, key = query.to(value.dtype), key.to(value.dtype)
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1 and not native_gqa():
+    if groups > 1 and not grouped:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, _ = torch.ops.hf_speedup.sdpa_varlen(query, key, value, position_ids, float(scale))
+    out = run(query, key, value, position_ids, float(scale))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -9,7 +9,8 @@ left out: CPU time on a CPU, the time of the kernels it launched on CUDA), in th
 - ``matmul``: GEMMs (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, oneDNN's ``hf_speedup::onednn_mm``,
   and the thin ``linear`` / ``matmul`` wrappers around them);
 - ``attention``: ``scaled_dot_product*``, flash / efficient / cuDNN attention kernels, ``hf_speedup::sdpa_varlen*``,
-  softmax (the eager attention path) and its backward;
+  softmax (the eager attention path) and its backward, and everything inside ``hf_speedup::blocked_attention*``
+  (the CPU kernel's GEMMs included: they are attention's time);
 - ``loss``: ``cross_entropy``, ``log_softmax`` and ``nll_loss`` (forward and backward) and whatever else runs
   inside the ``hf_speedup/loss`` label other than a GEMM;
 - ``compiled``: the self time of a compiled graph's call (``## Call CompiledFxGraph ... ##``: inductor's fused
@@ -37,7 +38,8 @@ LOSS_RANGE = LABEL + "loss"
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm", "_int_mm",
               "linear", "matmul", "_addmm_activation", "onednn_mm", "mkldnn_linear", "mkldnn_matmul"}
 ATTENTION_MARKS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention",
-                   "sdpa_varlen", "flash_attn")
+                   "sdpa_varlen", "flash_attn", "blocked_attention")
+ATTENTION_KERNELS = ("hf_speedup::blocked_attention", "hf_speedup_cpu::blocked_attention")  # their GEMMs count here
 ATTENTION_OPS = {"softmax", "_softmax", "_softmax_backward_data", "_safe_softmax"}
 LOSS_MARKS = ("cross_entropy", "log_softmax", "nll_loss")
 OPTIMIZER_MARKS = ("_fused_adam", "_fused_sgd", "_foreach_")
@@ -63,6 +65,8 @@ def classify(name: str, ancestors: tuple[str, ...] = ()) -> str:
         return "compiled"
     if name.startswith(RANGE_MARKS) or any(m in name for m in RANGE_MARKS[:4]) or name.startswith("cuda"):
         return "overhead"
+    if any(a.startswith(ATTENTION_KERNELS) for a in ancestors):
+        return "attention"
     op = op_name(name)
     if op in MATMUL_OPS:
         return "matmul"

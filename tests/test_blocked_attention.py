@@ -1,0 +1,183 @@
+"""The ``blocked`` CPU attention kernel: exact against fp64 attention (fp32 and bf16, causal, grouped keys,
+documents of padding-free rows, gradients), one opaque op under a fullgraph compile, chosen by ``auto`` only where
+the door measured it faster (fake figures: every machine plans alike), verified on the live model, and a build
+that fails falls back with its reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import CPU_NO_BF16, fake_caps
+from hf_speedup import SpeedupConfigError, SpeedupTrainer, get_preset, plan_for
+from hf_speedup.features import attention
+from hf_speedup.features.attention import blocked, door, sdpa_varlen
+from hf_speedup.measured import Measurement
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    ok, why = blocked.load()
+    assert ok, why  # gcc and ninja are part of the README's set-up
+    return why
+
+
+def _inputs(dtype, batch=2, heads=6, kv_heads=2, tokens=75, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, tokens, heads, dim, generator=g).transpose(1, 2).to(dtype)  # transformers' layout
+    k, v = (torch.randn(batch, kv_heads, tokens, dim, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _reference(q, k, v, position_ids, grad):
+    """fp64 SDPA with the block-diagonal causal mask sdpa_varlen's fallback uses, keys repeated per query head."""
+    groups = q.shape[1] // k.shape[1]
+    x = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    mask = sdpa_varlen.packed_causal_mask(position_ids)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        x[0], x[1].repeat_interleave(groups, 1), x[2].repeat_interleave(groups, 1), attn_mask=mask)
+    out.backward(grad.double())
+    return [out, *(t.grad for t in x)]
+
+
+def _rel(a, b) -> float:
+    return float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_matches_fp64_attention_with_grouped_keys_and_documents(kernel, dtype, tol):
+    q, k, v = _inputs(dtype)
+    # row 0: three documents (one shorter than a block, one across a block edge); row 1: one sequence
+    position_ids = torch.stack([torch.cat([torch.arange(5), torch.arange(41), torch.arange(29)]), torch.arange(75)])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    blocked.BLOCK, saved = 16, blocked.BLOCK  # several blocks per row at this length
+    try:
+        out = blocked.run(*leaves, position_ids, 16 ** -0.5)
+    finally:
+        blocked.BLOCK = saved
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(grad)
+    got = [out, *(t.grad for t in leaves)]
+    want = _reference(q, k, v, position_ids, grad)
+    assert got[2].shape == k.shape and got[3].shape == v.shape  # grouped gradients, not per query head
+    for name, a, b in zip(("output", "dq", "dk", "dv"), got, want):
+        assert _rel(a, b) <= tol, (name, dtype, _rel(a, b))
+    # a query never sees another document: changing document 0's keys leaves document 1's outputs alone
+    k2 = k.clone()
+    k2[0, :, :5] += 1.0
+    out2 = blocked.run(q, k2, v, position_ids, 16 ** -0.5)
+    assert torch.equal(out2[0, :, 5:], out.detach()[0, :, 5:]) and not torch.equal(out2[0, :, :5], out.detach()[0, :, :5])
+
+
+def test_one_opaque_op_under_a_fullgraph_compile(kernel):
+    q, k, v = _inputs(torch.float32, tokens=40)
+    position_ids = torch.cat([torch.arange(12), torch.arange(28)])[None]
+
+    def f(q, k, v):
+        return blocked.run(q, k, v, position_ids, 0.25).square().sum()
+
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    f(*eager).backward()
+    compiled = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch._dynamo.reset()
+    torch.compile(f, backend="aot_eager", fullgraph=True)(*compiled).backward()  # a graph break would raise
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a.grad, b.grad)
+    result = torch.library.opcheck(torch.ops.hf_speedup.blocked_attention.default, (q, k, v, position_ids, 0.25, 16))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def _measured(blocked_s, torch_s) -> dict:
+    value = {"sdpa_varlen": torch_s, "blocked": blocked_s}
+    return {door.MEASURED: Measurement(value, "causal attention forward + backward (test)", "a test machine")}
+
+
+def test_auto_takes_blocked_only_where_the_door_measured_it_faster(tiny_model, make_args):
+    cfg = get_preset("auto")
+
+    def chosen(measured):
+        return plan_for(cfg, caps=fake_caps(**CPU_NO_BF16, measured=measured), model=tiny_model,
+                        args=make_args())["attention"]
+
+    fast = chosen(_measured(0.010, 0.030))
+    assert fast.applied == "blocked"
+    assert "measured blocked 3.00x torch's CPU flash kernel; sdpa_varlen 30.0 ms, blocked 10.0 ms" in fast.reason
+    slow = chosen(_measured(0.030, 0.020))
+    assert slow.applied == "sdpa_varlen" and "measured blocked 0.67x torch's CPU flash kernel" in slow.reason
+    close = chosen(_measured(0.0195, 0.020))  # within the margin: torch's kernel is kept
+    assert close.applied == "sdpa_varlen"
+    unbuilt = chosen({door.MEASURED: Measurement({"sdpa_varlen": 0.02, "blocked": "its C++ kernel did not build"},
+                                                 "t", "m")})
+    assert unbuilt.applied == "sdpa_varlen" and "blocked: its C++ kernel did not build" in unbuilt.reason
+    assert chosen({}).applied == "sdpa_varlen"  # not measured (HF_SPEEDUP_MEASURE=0): the known kernel
+    gpu = plan_for(cfg, caps=fake_caps(device_type="cuda", device_name="NVIDIA H100", compute_capability=(9, 0),
+                                       bf16=True, measured=_measured(0.001, 0.1)), model=tiny_model, args=make_args())
+    assert gpu["attention"].applied != "blocked"  # GPUs keep their kernels
+
+
+def test_the_door_times_both_kernels_at_the_models_shapes(kernel, tiny_model, monkeypatch, tmp_path):
+    from hf_speedup import measured
+    from hf_speedup.model_info import describe_model
+
+    monkeypatch.setenv(measured.MEASURE_ENV, "1")
+    monkeypatch.setenv(measured.CACHE_ENV, str(tmp_path))
+    cfg = get_preset("auto").replace(memory={"seq_len": 64})
+    info = describe_model(tiny_model)
+    found = door.measure(cfg, fake_caps(**CPU_NO_BF16), info)[door.MEASURED]
+    assert set(found.value) == {"sdpa_varlen", "blocked"} and all(isinstance(v, float) for v in found.value.values())
+    assert "4 heads over 2 key/value heads of 16, 64 tokens (a padding-free row of" in found.what
+    assert found.what.endswith("fp32") and not found.cached
+    again = door.measure(cfg, fake_caps(**CPU_NO_BF16), info)[door.MEASURED]
+    assert again.cached and again.value == found.value  # a second run pays nothing
+    assert door.measure(cfg.replace(attention={"implementation": "sdpa"}), fake_caps(**CPU_NO_BF16), info) == {}
+
+
+def _train(model, make_args, dataset, collator, implementation, **kw):
+    cfg = get_preset("fast").replace(compile={"enabled": False}, attention={"implementation": implementation})
+    trainer = SpeedupTrainer(model=model, args=make_args(max_steps=3, logging_steps=1, **kw), train_dataset=dataset,
+                             data_collator=collator, speedup=cfg)
+    trainer.train()
+    return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trains_as_sdpa_varlen_does_and_is_verified_on_the_live_model(kernel, make_args, dataset, collator,
+                                                                      monkeypatch):
+    from hf_speedup.tiny import tiny_llama
+
+    monkeypatch.setenv("HF_SPEEDUP_FAKE_CPU_AMX", "0")  # fp32 on every CPU: the losses compare exactly
+    shape = dict(seed=0, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    _, reference = _train(tiny_llama(**shape), make_args, dataset, collator, "sdpa_varlen")
+    before = blocked.CALLS[0]
+    trainer, losses = _train(tiny_llama(**shape), make_args, dataset, collator, "blocked")
+    assert trainer.model.config._attn_implementation == "blocked"
+    assert losses == pytest.approx(reference, rel=1e-5)
+    blocks = trainer.model.config.num_hidden_layers
+    assert blocked.CALLS[0] - before >= 3 * blocks  # every block's attention ran it, every step
+    state = trainer.speedup_status["attention"]
+    assert state.applied == "blocked" and state.engaged, state.engaged_reason
+    assert "hf_speedup::blocked_attention registered (C++ kernel built for" in state.engaged_reason
+
+
+def test_a_kernel_that_does_not_build_falls_back_with_its_reason(tiny_model, make_args, dataset, collator,
+                                                                 monkeypatch):
+    monkeypatch.setattr(blocked, "_STATE", {"ok": False, "why": "its C++ kernel did not build here (no gcc)"})
+    cfg = get_preset("fast").replace(compile={"enabled": False}, attention={"implementation": "blocked"})
+    trainer = SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset,
+                             data_collator=collator, speedup=cfg)
+    assert trainer.model.config._attn_implementation == "sdpa_varlen"
+    state = trainer.speedup_status["attention"]
+    assert "blocked -> sdpa_varlen: its C++ kernel did not build here (no gcc)" in state.fallbacks
+    with pytest.raises(SpeedupConfigError, match=r"attention.implementation = 'blocked': its C\+\+ kernel did not "
+                                                 r"build here \(no gcc\) and attention.strict = true; allowed: 'auto'"):
+        SpeedupTrainer(model=tiny_model, args=make_args(max_steps=1), train_dataset=dataset, data_collator=collator,
+                       speedup=cfg.replace(attention={"implementation": "blocked", "strict": True}))
+
+
+def test_usable_only_on_cpu_in_fp32_or_bf16(tiny_model):
+    from hf_speedup.model_info import describe_model
+
+    info = describe_model(tiny_model)
+    assert attention.usable("blocked", fake_caps(**CPU_NO_BF16), info, "fp16", True) == (
+        False, "blocked computes in fp32 or bf16 and the plan trains in fp16")
+    assert attention.usable("blocked", fake_caps(device_type="cuda"), info, "bf16", True)[0] is False
+    assert attention.usable("blocked", fake_caps(**CPU_NO_BF16), info, "bf16", False) == (True, "")
