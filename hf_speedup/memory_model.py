@@ -81,7 +81,9 @@ fp32 logits beside the ``c``-byte matmul output they upcast, ``(4 + c)`` bytes p
 and softmax - onehot run in their storage), plus a saved copy of the hidden states and its gradient. Checked also
 against the allocator's own events (torch.profiler): MemTracker misses a kernel's internal temporaries.
 
-Backward temporaries of one block: the residual gradient ``r.h`` and two MLP gradients ``2.c.i`` per token, or, in
+Backward temporaries of one block: the residual gradient ``r.h`` and two MLP gradients ``2.c.i`` per token, with,
+under LoRA over a 16-bit base, the fp32 gradient of peft's fp32 copy of the largest adapted input (``4.d_in``, and
+``4.d_in`` more for dropout's output gradient), or, in
 its (re)computed forward, the largest adapter input peft holds beyond what is saved (its fp32 copy of a 16-bit
 input ``4.d_in``, dropout's fp32 output ``4.d_in``), whichever is more; a checkpointed block's recompute also holds
 its 16-bit input (its checkpoint's) beside the norm's fp32 copy.
@@ -172,6 +174,17 @@ def _lora_transient(shape: ModelShape, st: TrainingSetup, tokens: int, tile: int
     if st.lora is None:
         return 0.0
     per = (4 if st.residual_bytes != 4 else 0) + (4 if st.lora.dropout > 0 else 0)
+    return max((per * d_in * (tile if role in ("norm2", "mlp") else tokens)
+                for _, d_in, _, role in _adapted(shape, st.lora)), default=0.0)
+
+
+def _lora_grad_transient(shape: ModelShape, st: TrainingSetup, tokens: int, tile: int) -> float:
+    """In a block's backward, beside its gradients: the fp32 gradient of peft's fp32 copy of a 16-bit input (lora_A
+    computes in fp32), the largest adapted input's, before it is cast back and added to the input's gradient; with
+    dropout, the gradient of dropout's output beside it (both fp32)."""
+    if st.lora is None or st.residual_bytes == 4:
+        return 0.0
+    per = 4 + (4 if st.lora.dropout > 0 else 0)
     return max((per * d_in * (tile if role in ("norm2", "mlp") else tokens)
                 for _, d_in, _, role in _adapted(shape, st.lora)), default=0.0)
 
@@ -342,7 +355,8 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
     acts_all = sum(kept) + final
     cache = (2 * r * shape.kv_width * N * L) if (st.use_cache and st.cast) else 0
     # backward: the residual's gradient and two MLP gradients; or, earlier, the recompute's adapter input in fp32
-    temps_block = max(N * r * h + tile * 2 * c * shape.intermediate_size, _lora_transient(shape, st, N, tile))
+    temps_block = max(N * r * h + tile * 2 * c * shape.intermediate_size + _lora_grad_transient(shape, st, N, tile),
+                      _lora_transient(shape, st, N, tile))
     if st.experts == "batched_mm" and shape.experts_per_token and shape.expert_intermediate_size:
         # the gathered gate/up weights' gradient (2.I.h per pair) once down_proj's gathered weights (I.h) are freed
         temps_block += N * shape.experts_per_token * _gathered_per_pair(shape, c) / 3
