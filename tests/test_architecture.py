@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("presets",),  # named requests
     ("hardware",),  # Capabilities
     ("model_info", "model_parts", "model_shape", "memory_model",
-     "memory_model_types"),  # what the plan may know of a model; memory formulas (and their types)
+     "memory_model_types", "memory_model_lora"),  # what the plan may know of a model; memory formulas (types, LoRA terms)
     ("plan_types",),  # Decision, Outcome, Plan
     ("features",),  # one module (or package) per acceleration
     ("plan",),  # build_plan: orders the features' decisions; plan_for: the door for a loose request
