@@ -108,6 +108,7 @@ GiB = 1024 ** 3
 NF4_BYTES = 4.127 / 8  # NF4 + double-quantized constants (QLoRA paper: 0.127 bits per parameter)
 BNB_8BIT_BYTES = 2 + 2 * 4 / 256  # two uint8 states + an fp32 absmax per 256-element block each
 CUDA_CONTEXT = 512 * 1024 ** 2  # CUDA context and kernels: outside max_memory_allocated, inside the device
+BLOCKED_QUERIES = 128  # queries per block of the blocked CPU attention kernel (features/attention/blocked.py)
 ADAPTER_BYTES = 4 + 4 + 8  # fp32 adapter weight, gradient, two AdamW states
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -119,6 +120,16 @@ def _saved_attention(shape: ModelShape, st: TrainingSetup, c: int) -> float:
     kv_kept = qw if (st.padded and kv != qw) else kv
     mask = 4 * S if st.padded else 0
     return 2 * c * qw + 2 * c * kv_kept + 4 * nq + mask
+
+
+def _blocked_attention_backward(shape: ModelShape, st: TrainingSetup, c: int) -> float:
+    """The ``blocked`` CPU kernel's backward working set: one block of queries' scores, their gradient, the
+    probabilities and their gradient against every key of a row (4 tensors of heads x BLOCKED_QUERIES x row
+    length), and fp32 key/value gradient accumulators for the whole micro-batch."""
+    if st.attention != "blocked":
+        return 0.0
+    rows = 4 * c * shape.num_heads * min(BLOCKED_QUERIES, st.seq_len) * st.seq_len
+    return rows + 2 * 4 * shape.kv_width * st.tokens
 
 
 def block_saved_per_token(shape: ModelShape, st: TrainingSetup) -> float:
@@ -278,7 +289,7 @@ def estimate(shape: ModelShape, st: TrainingSetup) -> MemoryEstimate:
     cache = (2 * r * shape.kv_width * N * L) if (st.use_cache and st.cast) else 0
     # backward: the residual's gradient and two MLP gradients; or, earlier, the recompute's adapter input in fp32
     temps_block = max(N * r * h + tile * 2 * c * shape.intermediate_size + _lora_grad_transient(shape, st, N, tile),
-                      _lora_transient(shape, st, N, tile))
+                      _lora_transient(shape, st, N, tile), N * r * h + _blocked_attention_backward(shape, st, c))
     if st.experts == "batched_mm" and shape.experts_per_token and shape.expert_intermediate_size:
         # the gathered gate/up weights' gradient (2.I.h per pair) once down_proj's gathered weights (I.h) are freed
         temps_block += N * shape.experts_per_token * _gathered_per_pair(shape, c) / 3

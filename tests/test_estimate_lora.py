@@ -35,14 +35,14 @@ def _bf16_model():
     return model.to(torch.bfloat16)
 
 
-def _measured_step(tmp_path, model, speedup) -> int:
+def _measured_step(tmp_path, model, speedup, seq: int = SEQ, vocab: int = VOCAB) -> int:
     from datasets import Dataset
     from transformers import TrainingArguments, default_data_collator
 
     from hf_speedup import SpeedupTrainer
 
-    ids = torch.randint(3, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(0)).tolist()
-    data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * SEQ] * 4, "labels": ids})
+    ids = torch.randint(3, vocab, (4, seq), generator=torch.Generator().manual_seed(0)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * seq] * 4, "labels": ids})
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=2,
                              report_to=[], use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0,
                              disable_tqdm=True)
@@ -144,10 +144,6 @@ def test_a_blocks_backward_counts_the_fp32_gradient_of_peft_s_fp32_input_copy(tm
     of the 16-bit input, so backward holds that copy's fp32 gradient (and dropout's output gradient, also fp32)
     beside the block's gradients. Left out, the estimate was 10-13% under the allocator's peak, and
     ``--max-seq-len`` answered a length whose step did not fit its budget."""
-    from datasets import Dataset
-    from transformers import TrainingArguments, default_data_collator
-
-    from hf_speedup import SpeedupTrainer
     from hf_speedup.tiny import tiny_llama
 
     seq, vocab = 2048, 512
@@ -157,13 +153,5 @@ def test_a_blocks_backward_counts_the_fp32_gradient_of_peft_s_fp32_input_copy(tm
     speedup = {**BF16_LORA, "base": "memory", "lora": {"enabled": True, "dropout": dropout}}
     est = estimate_memory(model, speedup=speedup, batch_size=1, seq_len=seq)
     assert est.peak_phase.startswith("backward (block")
-    ids = torch.randint(3, vocab, (2, seq), generator=torch.Generator().manual_seed(0)).tolist()
-    data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * seq] * 2, "labels": ids})
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=1, max_steps=2,
-                             report_to=[], use_cpu=True, save_strategy="no", seed=0, dataloader_num_workers=0,
-                             disable_tqdm=True)
-    peak = allocator_peak_callback(step=2)
-    SpeedupTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator, speedup=speedup,
-                   callbacks=[peak]).train()
-    measured = peak.result["bytes"]
+    measured = _measured_step(tmp_path, model, speedup, seq=seq, vocab=vocab)
     assert abs(est.peak_tensor_bytes - measured) / measured <= 0.03, (est.peak_tensor_bytes, measured, est.breakdown)

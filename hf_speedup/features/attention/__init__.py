@@ -254,13 +254,14 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
             note = f"blocked -> {name}: {why}"
             outcome.fallbacks.append(note)
             outcome.applied = name
-            outcome.facts["kernel"] = name
+            outcome.facts["fell_back_to"] = name
             logger.warning("hf_speedup attention fallback: %s", note)
             if name == sdpa_varlen.NAME:
                 sdpa_varlen.register()
         else:
             blocked.register()
-            outcome.facts["kernel"] = why
+            outcome.facts["build"] = why
+            outcome.facts["calls_before"] = blocked.CALLS[0]
     base = unwrap_model(setup.model)
     current = getattr(base.config, "_attn_implementation", None)
     if current != name:
@@ -290,7 +291,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     have = getattr(getattr(base, "config", None), "_attn_implementation", None)
     if not decision.active:
         return False, f"{decision.reason}; config._attn_implementation={have}"
-    want = outcome.facts.get("kernel") if outcome.facts.get("kernel") in KERNELS else decision.settings.implementation
+    want = outcome.facts.get("fell_back_to") or decision.settings.implementation
     text = f"config._attn_implementation={have}"
     if have != want:
         refused = [f for f in outcome.fallbacks if f.startswith(f"{want}: transformers refused")]
@@ -305,9 +306,14 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
     if want == blocked.NAME:
         from transformers import AttentionInterface
 
-        registered = AttentionInterface._global_mapping.get(want) is blocked.attention_forward
-        text += (f"; hf_speedup::blocked_attention registered ({outcome.facts.get('kernel', 'loaded')}); "
-                 f"{blocked.CALLS[0]} kernel call(s) in this process") if registered else \
-            "; blocked NOT registered with AttentionInterface"
-        return registered, text
+        from ..probe import steps_trained
+
+        if AttentionInterface._global_mapping.get(want) is not blocked.attention_forward:
+            return False, text + "; blocked NOT registered with AttentionInterface"
+        calls = blocked.CALLS[0] - outcome.facts.get("calls_before", 0)
+        text += (f"; hf_speedup::blocked_attention registered ({outcome.facts.get('build', 'loaded')}); "
+                 f"{calls} kernel call(s)")
+        if steps_trained(trainer, outcome) > 0 and calls == 0:  # every call went to sdpa's fallback path
+            return False, text + " in training: it never ran (each call fell back to sdpa)"
+        return True, text
     return True, text

@@ -24,8 +24,11 @@ from pathlib import Path
 
 import torch
 
+from ...memory_model import BLOCKED_QUERIES
+
 NAME = "blocked"
-BLOCK = 128  # queries per block: GEMMs of 128 x heads-per-group rows, the diagonal block's waste <= 128 / length
+BLOCK = BLOCKED_QUERIES  # GEMMs of 128 x heads-per-group rows, the diagonal block's waste <= 128 / length; the
+# memory model sizes the kernel's working set by it
 SOURCE = Path(__file__).with_name("csrc") / "blocked_attention.cpp"
 logger = logging.getLogger("hf_speedup")
 _STATE: dict[str, object] = {}
