@@ -51,17 +51,9 @@ class Capabilities:
         return self.world_size > 1
 
 
-FAKE_CPU_AMX = "HF_SPEEDUP_FAKE_CPU_AMX"  # "1": plan as on a CPU with AMX, "0": as on one without (tests, any machine)
-
-
 def _cpu_bf16() -> tuple[bool, str]:
     import torch
 
-    fake = os.environ.get(FAKE_CPU_AMX, "").strip()
-    if fake in ("0", "1"):  # both CPU kinds' plans on any machine, subprocesses (torchrun, accelerate) included
-        amx = fake == "1"
-        return amx, (f"{FAKE_CPU_AMX}={fake}: planned as a CPU " + ("with AMX tiles (bf16 matmuls native)" if amx
-                                                                   else "without AMX (bf16 not faster than fp32)"))
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     if amx:

@@ -20,6 +20,10 @@ os.environ.setdefault("HF_SPEEDUP_CACHE_DIR", tempfile.mkdtemp(prefix="hf_speedu
 
 from hf_speedup.hardware import BITSANDBYTES_ON_CPU  # noqa: E402  (after the environment it must see)
 
+import fake_cpu  # noqa: E402
+
+fake_cpu.install()  # HF_SPEEDUP_FAKE_CPU_AMX plans as that CPU kind (the cpu_kind fixture, or the whole suite)
+
 
 @pytest.fixture(scope="session")
 def tokenizer():
@@ -146,7 +150,7 @@ def assert_same_in_dtype(actual, expected, dtype: str, name: str = "") -> None:
 def cpu_kind(request, monkeypatch):
     """Fake the CPU's bf16 capability (AMX or not), so tests exercise both precision paths anywhere; through
     the environment, so the processes a test launches (torchrun, accelerate launch) plan for the same CPU."""
-    from hf_speedup.hardware import FAKE_CPU_AMX
+    from fake_cpu import FAKE_CPU_AMX
 
     monkeypatch.setenv(FAKE_CPU_AMX, "1" if CPU_KINDS[request.param] else "0")
     return request.param

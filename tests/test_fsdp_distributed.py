@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from distributed_helpers import DIST, distributed_marks, executable, launch, rank_results
-from hf_speedup.hardware import FAKE_CPU_AMX
+from fake_cpu import FAKE_CPU_AMX
 
 import fsdp_train as F  # tests/dist: importable once distributed_helpers is
 

@@ -13,7 +13,7 @@ from hf_speedup import SpeedupTrainer, get_preset
 from hf_speedup import measured as measured_module
 from hf_speedup.features import precision
 from hf_speedup.features.precision import matmul_speed
-from hf_speedup.hardware import FAKE_CPU_AMX
+from fake_cpu import FAKE_CPU_AMX
 from hf_speedup.measured import Measurement
 from hf_speedup.model_info import describe_model
 from hf_speedup.plan import plan_for as make_plan

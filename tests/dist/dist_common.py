@@ -16,6 +16,13 @@ for k, v in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": 
              "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(k, v)
 
+if str(ROOT / "tests") not in sys.path:
+    sys.path.insert(0, str(ROOT / "tests"))
+import fake_cpu  # noqa: E402
+
+if fake_cpu.faked() is not None:  # the CPU kind the launching test asked for (HF_SPEEDUP_FAKE_CPU_AMX)
+    fake_cpu.install()
+
 GLOBAL_BATCH = 8  # split over the ranks: every world size trains on the same batches
 MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 

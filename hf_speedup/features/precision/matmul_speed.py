@@ -24,7 +24,6 @@ step's other work (attention, norms, activations, the optimizer) does not speed 
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 
@@ -133,10 +132,8 @@ def bf16_matmul_ratio(shapes: list[tuple[int, int, int]], tokens: int = TOKENS) 
 def measure(config, caps, model) -> dict:
     """The ``measure`` hook (:func:`hf_speedup.plan.measure`): ``{KEY: Measurement}`` where ``precision.dtype:
     auto`` is still open on a CPU without native bf16; ``{}`` elsewhere (CUDA's flags are right, AMX is bf16)."""
-    from ...hardware import FAKE_CPU_AMX
-
-    if not wanted(config, caps, model) or os.environ.get(FAKE_CPU_AMX, "").strip() in ("0", "1"):
-        return {}  # a faked CPU kind plans as that kind, not as this machine measures
+    if not wanted(config, caps, model):
+        return {}
     shapes = gemm_shapes(model)
     if not shapes:
         return {}
