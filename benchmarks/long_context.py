@@ -35,6 +35,7 @@ VARIANTS = {
     "stock+gc": {"base": "baseline", "lora": LORA},
     "memory": {"base": "memory", "lora": LORA},
     "long": {"base": "long", "lora": LORA},
+    "long@2048": {"base": "long", "lora": LORA, "tiled_mlp": {"tile_tokens": 2048}},  # fixed 2,048-token tiles
 }
 
 
