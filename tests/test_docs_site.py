@@ -45,3 +45,33 @@ def test_cli_reference_lists_every_command(tmp_path):
     text = cli_help_markdown()
     for name in _subparsers(build_parser()):
         assert f"## `hf-speedup {name}`" in text, name
+
+
+def _results_page():
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    try:
+        import results_page
+    finally:
+        sys.path.pop(0)
+    return results_page
+
+
+def test_results_page_leaves_the_lab_notes_out():
+    """The site's results page is RESULTS.md without the passages marked as lab notes (docs/hooks/results_page.py):
+    a paragraph after ``<!-- lab -->``, a block between ``lab:start`` and ``lab:end``; the rest stays as it is."""
+    import re
+
+    import pytest
+
+    page = _results_page()
+    text = "a\n\n<!-- lab -->\nTarget met.\nStill the note.\n\nb\n<!-- lab:start -->\n## Budget\n\nx\n<!-- lab:end -->\nc"
+    assert page.without_lab_notes(text) == "a\n\n\nb\nc"
+    with pytest.raises(ValueError, match="lab:start --> without"):
+        page.without_lab_notes("<!-- lab:start -->\nx")
+    shown = page.without_lab_notes((ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8"))
+    notes = [line for line in shown.split("\n")
+             if re.search(r"\btargets?\b|the issue|device time|this session", line, re.I)]
+    assert notes == [], "lab notes on the site's results page; mark them in RESULTS.md with <!-- lab -->:\n" + \
+        "\n".join(notes)
+    for heading in ("## Long context (SmolLM2-135M, CPU)", "## GPU plan, first run: one NVIDIA H200 (2026-11-27)"):
+        assert heading in shown  # pages link to these
