@@ -9,7 +9,9 @@ Conventions (CONTRIBUTING.md, "Code blocks in the docs are tests"):
   names exist on it) and every ``hf_speedup.X`` attribute it uses must exist;
 - in ```bash / ```sh / ```console blocks each line starting with ``hf-speedup `` (after an optional ``$ ``) is
   parsed by the CLI's own parser (an unknown flag or a bad value fails) and run, with ``--help`` appended
-  unless it has ``--tiny`` (in a marked block: always with ``--help``); other lines are not run.
+  unless it has ``--tiny`` (in a marked block: always with ``--help``); other lines are not run;
+- launch lines (``accelerate launch``, ``torchrun``, ``deepspeed``, ``sbatch``, ``python examples/finetune.py``)
+  and ``yaml`` blocks, marked or not, are checked without running (tests/doc_launchers.py).
 
 ``python tests/doc_blocks.py PAGE.md [checks|tiny]`` runs one page (what ``run_page`` starts: ``checks`` is all
 but the real ``--tiny`` runs, ``tiny`` only those) and exits 1 when a block fails.
@@ -29,6 +31,9 @@ import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its neighbour below
+from doc_launchers import check_launch, check_yaml, launch_lines  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKERS = ("gpu", "multi-node", "network")
@@ -308,6 +313,12 @@ def run_blocks(page: Path, mode: str = "checks") -> int:
                 problem = check_parses(argv) or run_help(argv)
                 if problem:
                     fail(block, line, problem)
+            for line, tokens in launch_lines(block.source, block.line):
+                for problem in check_launch(tokens):
+                    fail(block, line, problem)
+        elif block.lang == "yaml":
+            for problem in check_yaml(block.source):
+                fail(block, None, problem)
     print(f"{_rel(page)} ({mode}): {len(blocks)} blocks, {failed} failed", flush=True)
     return 1 if failed else 0
 

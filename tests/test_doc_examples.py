@@ -237,3 +237,35 @@ def test_a_tiny_line_runs_for_real_in_the_tiny_mode_only(tmp_path):
     result = run_page(page, "tiny")
     assert result.returncode == 1
     assert "hf-speedup estimate --tiny --seq-len 64 --memory 1KB: exit status 1" in result.stdout, result.stdout
+
+
+def test_launch_lines_and_speedup_yaml_blocks_are_checked_without_running(tmp_path):
+    """Launcher options by the launcher's own parser, repository paths, examples/finetune.py's arguments and its
+    --speedup, and a SpeedupConfig YAML block: each mistake fails, the good lines (placeholders too) pass."""
+    page = _page(tmp_path, """
+        <!-- docs: needs gpu -->
+        ```bash
+        accelerate launch --config_file configs/accelerate/fsdp2_full_shard.yaml --machine_rank $NODE_RANK \\
+            examples/finetune.py --speedup configs/speedup/fast-fsdp.yaml --model PATH_OR_ID
+        torchrun --nproc_per_node 8 --no-such-torchrun-flag examples/finetune.py --speedup lora
+        accelerate launch --config_file configs/accelerate/no_such.yaml examples/finetune.py --speedup lora
+        torchrun --nproc_per_node 2 examples/finetune.py --speedup lora --no-such-script-flag
+        python3 examples/finetune.py --speedup no-such-preset
+        ```
+
+        ```yaml
+        base: fast
+        compile:
+          mode: warp-speed
+        ```
+        """)
+    result = run_page(page)
+    out = result.stdout.replace(str(tmp_path) + "/", "")
+    assert result.returncode == 1, out
+    assert "page.md:3 " not in out  # the good line, placeholders and all
+    assert "torchrun: its parser refuses" in out and "--no-such-torchrun-flag" in out
+    assert "configs/accelerate/no_such.yaml: no such file in the repository" in out
+    assert "examples/finetune.py: its parser refuses" in out and "--no-such-script-flag" in out
+    assert "--speedup no-such-preset: no such preset" in out
+    assert "not a SpeedupConfig" in out and "warp-speed" in out
+    assert "5 failed" in out

@@ -1,0 +1,157 @@
+"""The launch commands and config files of the docs, checked without launching (what tests/doc_blocks.py runs on
+``bash`` blocks beside the ``hf-speedup`` lines, and on ``yaml`` blocks):
+
+- ``accelerate launch``, ``torchrun`` and ``deepspeed`` lines are parsed by the launcher's own parser (an unknown
+  option fails); ``sbatch`` lines are taken as ``sbatch [options] SCRIPT ARGS`` with the training script first among
+  ARGS (as ``examples/slurm/train.sbatch`` takes it);
+- every ``configs/...`` or ``examples/...`` path the line names exists in the repository;
+- the arguments given to ``examples/finetune.py`` are parsed by its own parser, and its ``--speedup`` is a preset or
+  a YAML file in the repository that loads as a SpeedupConfig;
+- a ``yaml`` block with a ``base:`` key is a SpeedupConfig: it loads (unknown fields and bad values fail).
+
+Placeholders: ``$NODE_RANK``-style variables are parsed as ``0`` (launchers take integers there), ``PATH_OR_ID`` as
+it is; a ``--speedup`` YAML without a folder (``my-hsdp.yaml``) is the reader's own file, not looked up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import re
+import shlex
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHELL_STOP = {"|", "||", "&&", ";", ">", ">>", "2>", "&"}
+FINETUNE = "examples/finetune.py"
+
+
+def launch_lines(source: str, first_line: int) -> list[tuple[int, list[str]]]:
+    """(page line, tokens) of each launch line of a shell block; continuations joined, comments dropped."""
+    out, lines, i = [], source.splitlines(), 0
+    while i < len(lines):
+        start, text = i, lines[i]
+        while text.rstrip().endswith("\\") and i + 1 < len(lines):
+            i += 1
+            text = text.rstrip()[:-1] + " " + lines[i].strip()
+        i += 1
+        text = text.strip().removeprefix("$ ").lstrip()
+        tokens = []
+        for token in shlex.split(re.sub(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", "0", text), comments=True):
+            if token in SHELL_STOP:
+                break
+            tokens.append(token)
+        while tokens and "=" in tokens[0] and not tokens[0].startswith("-"):  # VAR=value before the command
+            tokens.pop(0)
+        if tokens and (tokens[:2] == ["accelerate", "launch"] or tokens[0] in ("torchrun", "deepspeed", "sbatch")
+                       or (tokens[0].startswith("python") and len(tokens) > 1 and tokens[1] == FINETUNE)):
+            out.append((first_line + 1 + start, tokens))
+    return out
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str], what: str) -> tuple[argparse.Namespace | None, str]:
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parser.parse_args(argv), ""
+    except SystemExit as exc:
+        return None, f"{what}: its parser refuses {shlex.join(argv)} (exit {exc.code}): {err.getvalue().strip()}"
+
+
+def _launcher(tokens: list[str]) -> tuple[str | None, list[str], str]:
+    """(training script, its arguments, problem) of one launch line."""
+    if tokens[0] == "accelerate":
+        from accelerate.commands.launch import launch_command_parser
+
+        ns, why = _parse(launch_command_parser(), tokens[2:], "accelerate launch")
+        return (ns.training_script, ns.training_script_args, "") if ns else (None, [], why)
+    if tokens[0] == "torchrun":
+        from torch.distributed.run import get_args_parser
+
+        ns, why = _parse(get_args_parser(), tokens[1:], "torchrun")
+        return (ns.training_script, ns.training_script_args, "") if ns else (None, [], why)
+    if tokens[0] == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:
+            return None, [], ""  # not installed here: the paths are still checked
+        from deepspeed.launcher.runner import parse_args
+
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                ns = parse_args(tokens[1:])
+        except SystemExit as exc:
+            return None, [], f"deepspeed: its parser refuses {shlex.join(tokens[1:])} (exit {exc.code}): {err.getvalue()}"
+        return ns.user_script, ns.user_args, ""
+    if tokens[0] == "sbatch":
+        rest = tokens[1:]
+        script = next((i for i, t in enumerate(rest) if t.endswith((".sbatch", ".sh"))), None)
+        if script is None:
+            return None, [], "sbatch: no batch script (.sbatch or .sh) on the line"
+        args = rest[script + 1:]
+        return (args[0], args[1:], "") if args else (None, [], "")
+    return tokens[1], tokens[2:], ""  # python examples/finetune.py ...
+
+
+def _finetune_parser():
+    spec = importlib.util.spec_from_file_location("_docs_finetune", ROOT / FINETUNE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.parse_args
+
+
+def check_speedup(value: str) -> str | None:
+    """A preset name, or a YAML file in the repository that loads as a SpeedupConfig."""
+    from hf_speedup.presets import list_presets, load_config
+
+    if not value.endswith((".yaml", ".yml")):
+        return None if value in list_presets() else f"--speedup {value}: no such preset ({', '.join(list_presets())})"
+    if "/" not in value:
+        return None  # the reader's own file, written beside the command
+    path = ROOT / value
+    if not path.is_file():
+        return f"--speedup {value}: no such file in the repository"
+    try:
+        load_config(path)
+    except Exception as exc:  # noqa: BLE001 - a config that does not load is the finding
+        return f"--speedup {value}: does not load: {type(exc).__name__}: {exc}"
+    return None
+
+
+def check_launch(tokens: list[str]) -> list[str]:
+    problems = [f"{t}: no such file in the repository" for t in tokens
+                if t.startswith(("configs/", "examples/")) and not (ROOT / t).exists()]
+    script, args, why = _launcher(tokens)
+    if why:
+        problems.append(why)
+    if script == FINETUNE:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                ns = _finetune_parser()(args)
+        except SystemExit as exc:
+            problems.append(f"{FINETUNE}: its parser refuses {shlex.join(args)} (exit {exc.code}): "
+                            f"{err.getvalue().strip()}")
+        else:
+            if (bad := check_speedup(ns.speedup)) is not None:
+                problems.append(bad)
+    return problems
+
+
+def check_yaml(source: str) -> list[str]:
+    """A ``yaml`` block with ``base:`` loads as a SpeedupConfig; other YAML only parses."""
+    import yaml
+
+    from hf_speedup.presets import from_dict
+
+    try:
+        data = yaml.safe_load(source)
+    except yaml.YAMLError as exc:
+        return [f"not YAML: {exc}"]
+    if isinstance(data, dict) and "base" in data:
+        try:
+            from_dict(data, source="the docs")
+        except Exception as exc:  # noqa: BLE001
+            return [f"not a SpeedupConfig: {type(exc).__name__}: {exc}"]
+    return []
