@@ -6,7 +6,7 @@ visibly falls within a minute or two on 2 CPU cores, offline.
 
     python examples/finetune.py                       # preset "auto"
     python examples/finetune.py --speedup fast        # any preset name or a YAML path
-    python examples/finetune.py --trainer sft --speedup fast      # TRL's SFTTrainer on chat data (pip install trl)
+    python examples/finetune.py --trainer sft --speedup fast      # TRL's SFTTrainer on chat data (pip install 'hf_speedup[trl]')
     python examples/finetune.py --model ./my-llama --speedup lora
     python examples/finetune.py --max-steps 10 --profile          # trace of steps 3-4 in outputs/finetune/profile
     python examples/finetune.py --model ./dir --gguf-file model.Q8_0.gguf --speedup lora

@@ -39,6 +39,6 @@ def __getattr__(name: str):
             from .trl_support import SpeedupSFTTrainer
         except ImportError as exc:
             raise ImportError("hf_speedup.SpeedupSFTTrainer needs TRL: pip install 'hf_speedup[trl]' "
-                              f"(or pip install trl); import failed: {exc}") from exc
+                              f"(trl==1.16.0, the release tested); import failed: {exc}") from exc
         return SpeedupSFTTrainer
     raise AttributeError(f"module 'hf_speedup' has no attribute {name!r}")

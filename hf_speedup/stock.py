@@ -34,7 +34,7 @@ def sft_config(preset: Any = "auto", **kwargs):
     try:
         from trl import SFTConfig
     except ImportError as exc:  # pragma: no cover - exercised where trl is missing
-        raise ImportError("sft_config needs TRL: pip install 'hf_speedup[trl]' (or pip install trl)") from exc
+        raise ImportError("sft_config needs TRL: pip install 'hf_speedup[trl]' (trl==1.16.0, the release tested)") from exc
     return _stock_args(SFTConfig, preset, kwargs)
 
 

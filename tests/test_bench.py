@@ -135,7 +135,7 @@ def test_peers_that_cannot_run_here_say_why(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("trl", "liger_kernel") else real(name, *a))
-    assert unavailable("trl-sft", "peer", "cpu") == "trl is not installed (pip install trl, or hf_speedup[trl])"
+    assert unavailable("trl-sft", "peer", "cpu") == "trl is not installed (pip install 'hf_speedup[trl]': trl==1.16.0, the release tested)"
     assert "liger_kernel is not installed" in unavailable("liger", "peer", "cuda")
 
 

@@ -34,7 +34,7 @@ def unavailable(name: str, kind: str, device: str) -> str | None:
     if kind != "peer":
         return None
     if name == "trl-sft" and importlib.util.find_spec("trl") is None:
-        return "trl is not installed (pip install trl, or hf_speedup[trl])"
+        return "trl is not installed (pip install 'hf_speedup[trl]': trl==1.16.0, the release tested)"
     if name in ("liger", "unsloth"):
         package = {"liger": "liger_kernel", "unsloth": "unsloth"}[name]
         if device != "cuda":
