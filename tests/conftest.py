@@ -149,7 +149,8 @@ def assert_same_in_dtype(actual, expected, dtype: str, name: str = "") -> None:
 @pytest.fixture(params=sorted(CPU_KINDS))
 def cpu_kind(request, monkeypatch):
     """Fake the CPU's bf16 capability (AMX or not), so tests exercise both precision paths anywhere; through
-    the environment, so the processes a test launches (torchrun, accelerate launch) plan for the same CPU."""
+    the environment, so the scripts of tests/dist a test launches (torchrun, accelerate launch) plan for the same
+    CPU (tests/fake_cpu.py, applied by their dist_common)."""
     from fake_cpu import FAKE_CPU_AMX
 
     monkeypatch.setenv(FAKE_CPU_AMX, "1" if CPU_KINDS[request.param] else "0")

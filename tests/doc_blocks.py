@@ -313,8 +313,8 @@ def run_blocks(page: Path, mode: str = "checks") -> int:
                 problem = check_parses(argv) or run_help(argv)
                 if problem:
                     fail(block, line, problem)
-            for line, tokens in launch_lines(block.source, block.line):
-                for problem in check_launch(tokens):
+            for line, tokens, unsplit in launch_lines(block.source, block.line):
+                for problem in [unsplit] if unsplit else check_launch(tokens):
                     fail(block, line, problem)
         elif block.lang == "yaml":
             for problem in check_yaml(block.source):

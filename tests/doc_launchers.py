@@ -1,10 +1,12 @@
 """The launch commands and config files of the docs, checked without launching (what tests/doc_blocks.py runs on
 ``bash`` blocks beside the ``hf-speedup`` lines, and on ``yaml`` blocks):
 
-- ``accelerate launch``, ``torchrun`` and ``deepspeed`` lines are parsed by the launcher's own parser (an unknown
-  option fails); ``sbatch`` lines are taken as ``sbatch [options] SCRIPT ARGS`` with the training script first among
-  ARGS (as ``examples/slurm/train.sbatch`` takes it);
-- every ``configs/...`` or ``examples/...`` path the line names exists in the repository;
+- each command of a line (split at ``&&``, ``||``, ``;``, ``|``, ``&``; redirections dropped) that is
+  ``accelerate launch``, ``torchrun`` or ``deepspeed`` is parsed by the launcher's own parser (an unknown option
+  fails; ``--help`` passes); ``sbatch [options] SCRIPT ARGS`` hands ARGS to torchrun (as
+  ``examples/slurm/train.sbatch`` does), so they are parsed by torchrun's parser;
+- every ``configs/``, ``examples/`` or ``tests/`` path the command names (``--flag=path`` too) exists in the
+  repository;
 - the arguments given to ``examples/finetune.py`` are parsed by its own parser, and its ``--speedup`` is a preset or
   a YAML file in the repository that loads as a SpeedupConfig;
 - a ``yaml`` block with a ``base:`` key is a SpeedupConfig: it loads (unknown fields and bad values fail).
@@ -24,12 +26,39 @@ import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SHELL_STOP = {"|", "||", "&&", ";", ">", ">>", "2>", "&"}
+SEPARATORS = {"|", "||", "&&", ";", "&"}
+REDIRECTS = {">", ">>", "<", "&>", ">&"}
 FINETUNE = "examples/finetune.py"
+LAUNCHERS = ("accelerate", "torchrun", "deepspeed", "sbatch")
 
 
-def launch_lines(source: str, first_line: int) -> list[tuple[int, list[str]]]:
-    """(page line, tokens) of each launch line of a shell block; continuations joined, comments dropped."""
+def _is_launch(tokens: list[str]) -> bool:
+    return bool(tokens) and (tokens[:2] == ["accelerate", "launch"] or tokens[0] in LAUNCHERS[1:]
+                             or (tokens[0].startswith("python") and len(tokens) > 1 and tokens[1] == FINETUNE))
+
+
+def _commands(tokens: list[str]) -> list[list[str]]:
+    out, current, skip = [], [], False
+    for token in tokens:
+        if skip:
+            skip = False
+        elif token in SEPARATORS:
+            out.append(current)
+            current = []
+        elif token in REDIRECTS:
+            skip = True  # its target
+        else:
+            current.append(token)
+    out.append(current)
+    for command in out:
+        while command and "=" in command[0] and not command[0].startswith("-"):  # VAR=value before the command
+            command.pop(0)
+    return out
+
+
+def launch_lines(source: str, first_line: int) -> list[tuple[int, list[str], str | None]]:
+    """(page line, tokens, problem) of each launch command of a shell block; continuations joined, comments dropped,
+    ``$VARS`` as ``0``. A launch line the shell could not split (an open quote) comes back with its problem."""
     out, lines, i = [], source.splitlines(), 0
     while i < len(lines):
         start, text = i, lines[i]
@@ -37,26 +66,30 @@ def launch_lines(source: str, first_line: int) -> list[tuple[int, list[str]]]:
             i += 1
             text = text.rstrip()[:-1] + " " + lines[i].strip()
         i += 1
-        text = text.strip().removeprefix("$ ").lstrip()
-        tokens = []
-        for token in shlex.split(re.sub(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", "0", text), comments=True):
-            if token in SHELL_STOP:
-                break
-            tokens.append(token)
-        while tokens and "=" in tokens[0] and not tokens[0].startswith("-"):  # VAR=value before the command
-            tokens.pop(0)
-        if tokens and (tokens[:2] == ["accelerate", "launch"] or tokens[0] in ("torchrun", "deepspeed", "sbatch")
-                       or (tokens[0].startswith("python") and len(tokens) > 1 and tokens[1] == FINETUNE)):
-            out.append((first_line + 1 + start, tokens))
+        text = re.sub(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", "0", text.strip().removeprefix("$ ").lstrip())
+        text = re.sub(r"(^|\s)\d*>&\d+", " ", text)  # 2>&1
+        text = re.sub(r"(^|\s)\d+(?=>)", " ", text)  # 2> file: the descriptor is not an argument
+        try:
+            lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            tokens = list(lexer)
+        except ValueError as exc:
+            if text.split()[:1] and text.split()[0] in LAUNCHERS + ("python", "python3"):
+                out.append((first_line + 1 + start, [], f"the shell cannot split this line ({exc}): {text}"))
+            continue
+        out += [(first_line + 1 + start, command, None) for command in _commands(tokens) if _is_launch(command)]
     return out
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str], what: str) -> tuple[argparse.Namespace | None, str]:
+    """(namespace, "") where the parser takes ``argv``; (None, "") for ``--help`` (it exits 0); else the refusal."""
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             return parser.parse_args(argv), ""
     except SystemExit as exc:
+        if exc.code in (0, None):
+            return None, ""
         return None, f"{what}: its parser refuses {shlex.join(argv)} (exit {exc.code}): {err.getvalue().strip()}"
 
 
@@ -79,9 +112,11 @@ def _launcher(tokens: list[str]) -> tuple[str | None, list[str], str]:
 
         err = io.StringIO()
         try:
-            with contextlib.redirect_stderr(err):
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
                 ns = parse_args(tokens[1:])
         except SystemExit as exc:
+            if exc.code in (0, None):
+                return None, [], ""
             return None, [], f"deepspeed: its parser refuses {shlex.join(tokens[1:])} (exit {exc.code}): {err.getvalue()}"
         return ns.user_script, ns.user_args, ""
     if tokens[0] == "sbatch":
@@ -89,8 +124,12 @@ def _launcher(tokens: list[str]) -> tuple[str | None, list[str], str]:
         script = next((i for i, t in enumerate(rest) if t.endswith((".sbatch", ".sh"))), None)
         if script is None:
             return None, [], "sbatch: no batch script (.sbatch or .sh) on the line"
-        args = rest[script + 1:]
-        return (args[0], args[1:], "") if args else (None, [], "")
+        if not rest[script + 1:]:
+            return None, [], ""  # the script's default command
+        from torch.distributed.run import get_args_parser  # the script's "$@" goes to torchrun
+
+        ns, why = _parse(get_args_parser(), ["--nnodes", "1", *rest[script + 1:]], "sbatch's torchrun")
+        return (ns.training_script, ns.training_script_args, "") if ns else (None, [], why)
     return tokens[1], tokens[2:], ""  # python examples/finetune.py ...
 
 
@@ -120,19 +159,21 @@ def check_speedup(value: str) -> str | None:
 
 
 def check_launch(tokens: list[str]) -> list[str]:
-    problems = [f"{t}: no such file in the repository" for t in tokens
-                if t.startswith(("configs/", "examples/")) and not (ROOT / t).exists()]
+    paths = [t.split("=", 1)[1] if t.startswith("-") and "=" in t else t for t in tokens]
+    problems = [f"{t}: no such file in the repository" for t in paths
+                if t.startswith(("configs/", "examples/", "tests/")) and not (ROOT / t).exists()]
     script, args, why = _launcher(tokens)
     if why:
         problems.append(why)
     if script == FINETUNE:
         err = io.StringIO()
         try:
-            with contextlib.redirect_stderr(err):
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
                 ns = _finetune_parser()(args)
         except SystemExit as exc:
-            problems.append(f"{FINETUNE}: its parser refuses {shlex.join(args)} (exit {exc.code}): "
-                            f"{err.getvalue().strip()}")
+            if exc.code not in (0, None):  # --help exits 0
+                problems.append(f"{FINETUNE}: its parser refuses {shlex.join(args)} (exit {exc.code}): "
+                                f"{err.getvalue().strip()}")
         else:
             if (bad := check_speedup(ns.speedup)) is not None:
                 problems.append(bad)

@@ -251,6 +251,9 @@ def test_launch_lines_and_speedup_yaml_blocks_are_checked_without_running(tmp_pa
         accelerate launch --config_file configs/accelerate/no_such.yaml examples/finetune.py --speedup lora
         torchrun --nproc_per_node 2 examples/finetune.py --speedup lora --no-such-script-flag
         python3 examples/finetune.py --speedup no-such-preset
+        accelerate launch --help
+        python3 -m pip install -e . && python3 examples/finetune.py --no-such-after-and
+        sbatch --nodes 2 examples/slurm/train.sbatch --no-such-sbatch-arg examples/finetune.py
         ```
 
         ```yaml
@@ -268,4 +271,7 @@ def test_launch_lines_and_speedup_yaml_blocks_are_checked_without_running(tmp_pa
     assert "examples/finetune.py: its parser refuses" in out and "--no-such-script-flag" in out
     assert "--speedup no-such-preset: no such preset" in out
     assert "not a SpeedupConfig" in out and "warp-speed" in out
-    assert "5 failed" in out
+    assert "--no-such-after-and" in out  # the second command of a line
+    assert "sbatch's torchrun: its parser refuses" in out and "--no-such-sbatch-arg" in out
+    assert "page.md:9 " not in out  # --help passes
+    assert "7 failed" in out

@@ -20,21 +20,30 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "RESULTS.md"
 
 def without_lab_notes(text: str) -> str:
     out: list[str] = []
-    skip_paragraph = in_block = False
-    for line in text.split("\n"):
+    skip = in_block = in_fence = False  # skip: inside a marked paragraph (a code fence in it is skipped whole)
+    for number, line in enumerate(text.split("\n"), 1):
         mark = line.strip()
+        if mark in ("<!-- lab -->", "<!-- lab:start -->", "<!-- lab:end -->") and (skip or in_fence):
+            raise ValueError(f"RESULTS.md:{number}: {mark} inside a lab note")
         if mark == "<!-- lab:start -->":
+            if in_block:
+                raise ValueError(f"RESULTS.md:{number}: <!-- lab:start --> inside a lab block")
             in_block = True
         elif mark == "<!-- lab:end -->":
             if not in_block:
-                raise ValueError("RESULTS.md: <!-- lab:end --> without <!-- lab:start -->")
+                raise ValueError(f"RESULTS.md:{number}: <!-- lab:end --> without <!-- lab:start -->")
             in_block = False
         elif mark == "<!-- lab -->":
-            skip_paragraph = True
-        elif skip_paragraph:
-            skip_paragraph = bool(mark)  # the paragraph ends at the first blank line, which is kept
-            if not skip_paragraph:
-                out.append(line)
+            skip = "start"
+        elif skip:
+            if skip == "start" and not mark:
+                raise ValueError(f"RESULTS.md:{number}: <!-- lab --> must stand right before its paragraph")
+            skip = True
+            if mark.startswith("```"):
+                in_fence = not in_fence
+            elif not mark and not in_fence:
+                skip = False
+                out.append(line)  # the blank line that ends the paragraph stays
         elif not in_block:
             out.append(line)
     if in_block:
