@@ -9,7 +9,8 @@
   repository;
 - the arguments given to ``examples/finetune.py`` are parsed by its own parser, and its ``--speedup`` is a preset or
   a YAML file in the repository that loads as a SpeedupConfig;
-- a ``yaml`` block with a ``base:`` key is a SpeedupConfig: it loads (unknown fields and bad values fail).
+- a ``yaml`` block with a ``base:`` key, or whose top-level keys are all SpeedupConfig sections, is a SpeedupConfig
+  (or a part of one): it loads (unknown fields and bad values fail).
 
 Placeholders: ``$NODE_RANK``-style variables are parsed as ``0`` (launchers take integers there), ``PATH_OR_ID`` as
 it is; a ``--speedup`` YAML without a folder (``my-hsdp.yaml``) is the reader's own file, not looked up.
@@ -181,16 +182,20 @@ def check_launch(tokens: list[str]) -> list[str]:
 
 
 def check_yaml(source: str) -> list[str]:
-    """A ``yaml`` block with ``base:`` loads as a SpeedupConfig; other YAML only parses."""
+    """A ``yaml`` block with ``base:`` or made of SpeedupConfig sections loads as one; other YAML only parses."""
+    import dataclasses
+
     import yaml
 
+    from hf_speedup import SpeedupConfig
     from hf_speedup.presets import from_dict
 
     try:
         data = yaml.safe_load(source)
     except yaml.YAMLError as exc:
         return [f"not YAML: {exc}"]
-    if isinstance(data, dict) and "base" in data:
+    sections = {f.name for f in dataclasses.fields(SpeedupConfig)} | {"base"}
+    if isinstance(data, dict) and data and ("base" in data or set(data) <= sections):
         try:
             from_dict(data, source="the docs")
         except Exception as exc:  # noqa: BLE001

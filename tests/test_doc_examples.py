@@ -261,6 +261,15 @@ def test_launch_lines_and_speedup_yaml_blocks_are_checked_without_running(tmp_pa
         compile:
           mode: warp-speed
         ```
+
+        ```yaml
+        compile:
+          when: sometimes
+        ```
+
+        ```yaml
+        steps: 3
+        ```
         """)
     result = run_page(page)
     out = result.stdout.replace(str(tmp_path) + "/", "")
@@ -274,4 +283,5 @@ def test_launch_lines_and_speedup_yaml_blocks_are_checked_without_running(tmp_pa
     assert "--no-such-after-and" in out  # the second command of a line
     assert "sbatch's torchrun: its parser refuses" in out and "--no-such-sbatch-arg" in out
     assert "page.md:9 " not in out  # --help passes
-    assert "7 failed" in out
+    assert "compile.when = 'sometimes' is not allowed" in out  # sections alone are a SpeedupConfig's part
+    assert "8 failed" in out  # other YAML only parses
