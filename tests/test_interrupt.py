@@ -70,8 +70,14 @@ def _trainer(make_args, dataset, collator, out, *, speedup=INTERRUPT_ONLY, seed=
 
 @pytest.fixture
 def own_handlers():
-    """The handlers as they were before the test, put back after it whatever happens."""
+    """The handlers as they were before the test, put back after it whatever happens. A signal the test process
+    inherited ignored (pytest started in the background by a shell, or under nohup: SIGINT is SIG_IGN there) starts
+    at its default: these tests are about a run whose signals are at their defaults (ignored ones are left alone,
+    and a test of that sets SIG_IGN itself)."""
     before = {n: signal.getsignal(getattr(signal, n)) for n in HANDLED}
+    for n, h in before.items():
+        if h is signal.SIG_IGN:
+            signal.signal(getattr(signal, n), signal.default_int_handler if n == "SIGINT" else signal.SIG_DFL)
     yield before
     for n, h in before.items():
         signal.signal(getattr(signal, n), h)
