@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: its neighbour below
-from doc_launchers import check_launch, check_yaml, launch_lines  # noqa: E402
+from doc_launchers import check_launch, check_yaml, launch_lines, shell_lines  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKERS = ("gpu", "multi-node", "network")
@@ -107,16 +107,8 @@ def collect(page: Path) -> list[Block]:
 # ------------------------------------------------------------------------------------------- shell lines
 def hf_speedup_commands(block: Block) -> list[tuple[int, list[str]]]:
     """(page line, argv after ``hf-speedup``) of each ``hf-speedup`` line; continuations joined, comments dropped."""
-    out, lines, i = [], block.source.splitlines(), 0
-    while i < len(lines):
-        start, text = i, lines[i]
-        while text.rstrip().endswith("\\") and i + 1 < len(lines):
-            i += 1
-            text = text.rstrip()[:-1] + " " + lines[i].strip()
-        i += 1
-        text = text.strip()
-        if text.startswith("$ "):
-            text = text[2:].lstrip()
+    out = []
+    for start, text in shell_lines(block.source):
         if not text.startswith("hf-speedup "):
             continue
         argv = []

@@ -57,9 +57,9 @@ def _commands(tokens: list[str]) -> list[list[str]]:
     return out
 
 
-def launch_lines(source: str, first_line: int) -> list[tuple[int, list[str], str | None]]:
-    """(page line, tokens, problem) of each launch command of a shell block; continuations joined, comments dropped,
-    ``$VARS`` as ``0``. A launch line the shell could not split (an open quote) comes back with its problem."""
+def shell_lines(source: str) -> list[tuple[int, str]]:
+    """(offset of its first line in the block, text) of each line of a shell block: ``\\`` continuations joined, a
+    leading ``$ `` prompt dropped."""
     out, lines, i = [], source.splitlines(), 0
     while i < len(lines):
         start, text = i, lines[i]
@@ -67,7 +67,16 @@ def launch_lines(source: str, first_line: int) -> list[tuple[int, list[str], str
             i += 1
             text = text.rstrip()[:-1] + " " + lines[i].strip()
         i += 1
-        text = re.sub(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", "0", text.strip().removeprefix("$ ").lstrip())
+        out.append((start, text.strip().removeprefix("$ ").lstrip()))
+    return out
+
+
+def launch_lines(source: str, first_line: int) -> list[tuple[int, list[str], str | None]]:
+    """(page line, tokens, problem) of each launch command of a shell block; continuations joined, comments dropped,
+    ``$VARS`` as ``0``. A launch line the shell could not split (an open quote) comes back with its problem."""
+    out = []
+    for start, text in shell_lines(source):
+        text = re.sub(r"\$\{?[A-Za-z_][A-Za-z0-9_]*\}?", "0", text)
         text = re.sub(r"(^|\s)\d*>&\d+", " ", text)  # 2>&1
         text = re.sub(r"(^|\s)\d+(?=>)", " ", text)  # 2> file: the descriptor is not an argument
         try:
