@@ -122,12 +122,27 @@ def _saved_attention(shape: ModelShape, st: TrainingSetup, c: int) -> float:
     return 2 * c * qw + 2 * c * kv_kept + 4 * nq + mask
 
 
+def blocked_attention_tiled(head_dim: int, c: int) -> bool:
+    """Whether the ``blocked`` kernel runs its tiled form (bf16 on AMX, whole vectors per head), as it decides."""
+    import torch
+
+    try:
+        amx = bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        amx = False
+    return amx and c == 2 and head_dim % 16 == 0
+
+
 def _blocked_attention_backward(shape: ModelShape, st: TrainingSetup, c: int) -> float:
-    """The ``blocked`` CPU kernel's backward working set: one block of queries' scores, their gradient, the
-    probabilities and their gradient against every key of a row (4 tensors of heads x BLOCKED_QUERIES x row
-    length), and fp32 key/value gradient accumulators for the whole micro-batch."""
+    """The ``blocked`` CPU kernel's backward working set. The bmm form: one block of queries' scores, their
+    gradient, the probabilities and their gradient against every key of a row (4 tensors of heads x
+    BLOCKED_QUERIES x row length). The tiled form: fp32 key/value gradients per query head (summed over a group at
+    the end) and the keys and values packed three ways. Both: fp32 key/value gradient accumulators."""
     if st.attention != "blocked":
         return 0.0
+    if blocked_attention_tiled(shape.head_dim, c):
+        return 2 * 4 * shape.attention_width * st.tokens + 3 * c * shape.kv_width * st.tokens + \
+            2 * 4 * shape.kv_width * st.tokens
     rows = 4 * c * shape.num_heads * min(BLOCKED_QUERIES, st.seq_len) * st.seq_len
     return rows + 2 * 4 * shape.kv_width * st.tokens
 

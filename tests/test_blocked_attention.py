@@ -69,6 +69,47 @@ def test_matches_fp64_attention_with_grouped_keys_and_documents(kernel, dtype, t
     assert torch.equal(out2[0, :, 5:], out.detach()[0, :, 5:]) and not torch.equal(out2[0, :, :5], out.detach()[0, :, :5])
 
 
+@pytest.fixture()
+def tiles(kernel, monkeypatch):
+    if not torch.ops.hf_speedup_cpu.tiles_available():
+        pytest.skip("the tiled form needs matrix units oneDNN drives (AMX); the bmm form is tested on every CPU")
+    monkeypatch.setattr(blocked, "TILES", (16, 32))  # several query and key tiles, partial ones, at 75 tokens
+
+
+def test_the_tiled_form_matches_fp64_attention_and_ran(tiles, monkeypatch):
+    q, k, v = _inputs(torch.bfloat16, heads=6, kv_heads=2)
+    # row 0: documents of 5 (inside a tile), 41 (across key tiles) and 29 tokens; row 1: one sequence
+    position_ids = torch.stack([torch.cat([torch.arange(5), torch.arange(41), torch.arange(29)]), torch.arange(75)])
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = _reference(q, k, v, position_ids, grad)
+    results = {}
+    for form in ("auto", "bmm"):
+        monkeypatch.setattr(blocked, "FORM", [form])
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        before = blocked.TILED[0]
+        out = blocked.run(*leaves, position_ids, 16 ** -0.5)
+        out.backward(grad)
+        results[form] = [out, *(t.grad for t in leaves)]
+        assert blocked.TILED[0] - before == (1 if form == "auto" else 0)
+        assert out.stride() == q.stride() and leaves[1].grad.shape == k.shape
+    for name, tiled, bmm, ref in zip(("output", "dq", "dk", "dv"), results["auto"], results["bmm"], want):
+        assert _rel(tiled, ref) <= 1e-2, (name, _rel(tiled, ref))
+        assert _rel(tiled, ref) <= 1.5 * _rel(bmm, ref) + 1e-3, (name, _rel(tiled, ref), _rel(bmm, ref))
+    monkeypatch.setattr(blocked, "FORM", ["auto"])
+    k2 = k.clone()
+    k2[0, :, :5] += 1.0  # document 0's keys: documents 1 and 2 do not see them
+    out2 = blocked.run(q, k2, v, position_ids, 16 ** -0.5)
+    assert torch.equal(out2[0, :, 5:], results["auto"][0].detach()[0, :, 5:])
+    assert not torch.equal(out2[0, :, :5], results["auto"][0].detach()[0, :, :5])
+
+
+def test_the_tiled_form_under_opcheck(tiles):
+    q, k, v = _inputs(torch.bfloat16, tokens=40)
+    position_ids = torch.cat([torch.arange(12), torch.arange(28)])[None]
+    result = torch.library.opcheck(torch.ops.hf_speedup.blocked_attention.default, (q, k, v, position_ids, 0.25, 16))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
 def test_one_opaque_op_under_a_fullgraph_compile(kernel):
     q, k, v = _inputs(torch.float32, tokens=40)
     position_ids = torch.cat([torch.arange(12), torch.arange(28)])[None]
@@ -156,7 +197,7 @@ def test_trains_as_sdpa_varlen_does_and_is_verified_on_the_live_model(kernel, ma
     state = trainer.speedup_status["attention"]
     assert state.applied == "blocked" and state.engaged, state.engaged_reason
     assert "hf_speedup::blocked_attention registered (C++ kernel built for" in state.engaged_reason
-    assert f"{blocked.CALLS[0] - before} kernel call(s)" in state.engaged_reason
+    assert f"{blocked.CALLS[0] - before} kernel call(s), 0 of them tiled" in state.engaged_reason  # fp32
 
 
 def test_a_kernel_that_never_ran_in_training_is_not_reported_engaged(kernel, make_args, dataset, collator):

@@ -262,6 +262,7 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
             blocked.register()
             outcome.facts["build"] = why
             outcome.facts["calls_before"] = blocked.CALLS[0]
+            outcome.facts["tiled_before"] = blocked.TILED[0]
     base = unwrap_model(setup.model)
     current = getattr(base.config, "_attn_implementation", None)
     if current != name:
@@ -311,8 +312,9 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         if AttentionInterface._global_mapping.get(want) is not blocked.attention_forward:
             return False, text + "; blocked NOT registered with AttentionInterface"
         calls = blocked.CALLS[0] - outcome.facts.get("calls_before", 0)
+        tiled = blocked.TILED[0] - outcome.facts.get("tiled_before", 0)
         text += (f"; hf_speedup::blocked_attention registered ({outcome.facts.get('build', 'loaded')}); "
-                 f"{calls} kernel call(s)")
+                 f"{calls} kernel call(s)" + (f", {tiled} of them tiled" if calls else ""))
         if steps_trained(trainer, outcome) > 0 and calls == 0:  # every call went to sdpa's fallback path
             return False, text + " in training: it never ran (each call fell back to sdpa)"
         return True, text

@@ -15,6 +15,11 @@ not build (no compiler, no ninja) :func:`load` says why and the plan keeps ``sdp
 ``hf_speedup::blocked_attention`` with a fake implementation: compiled blocks see one opaque call, no graph break.
 Whether it beats torch's kernel depends on the machine and shapes: ``auto`` times both at the door
 (:mod:`.door`) and takes it only where it measured faster.
+
+On CPUs whose matrix units oneDNN drives (AMX), bf16 runs a tiled form instead (``csrc/blocked_tiles.cpp``): a
+tile of ``TILES`` queries x keys at a time, flash-style, so the scores stay in cache from the score GEMM through the
+softmax to the next GEMM, each GEMM one oneDNN micro-kernel call on operands packed once. Same op, same exactness
+tests; ``FORM`` holds the ATen-bmm form for A/B runs.
 """
 
 from __future__ import annotations
@@ -29,10 +34,14 @@ from ...memory_model import BLOCKED_QUERIES
 NAME = "blocked"
 BLOCK = BLOCKED_QUERIES  # GEMMs of 128 x heads-per-group rows, the diagonal block's waste <= 128 / length; the
 # memory model sizes the kernel's working set by it
+TILES = (128, 128)  # (queries, keys) of a tile in the bf16 form on matrix units (csrc/blocked_tiles.cpp)
 SOURCE = Path(__file__).with_name("csrc") / "blocked_attention.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("blocked_tiles.cpp"))
 logger = logging.getLogger("hf_speedup")
 _STATE: dict[str, object] = {}
+FORM = ["auto"]  # "bmm" holds the ATen-bmm form where the tiled one would run (tests, A/B benchmarks)
 CALLS = [0]  # forward calls of the kernel in this process (the verification reads it)
+TILED = [0]  # of which ran the tiled form
 
 # torch's own vector width on this CPU -> the flags its kernels are built with (ATen's Vectorized follows them)
 FLAGS = {
@@ -56,11 +65,13 @@ def load() -> tuple[bool, str]:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=f"hf_speedup_blocked_attention_{cap.lower()}", sources=[str(SOURCE)],
+        cpp_extension.load(name=f"hf_speedup_blocked_attention_{cap.lower()}", sources=[str(path) for path in SOURCES],
                            extra_cflags=["-O3", "-fopenmp", *FLAGS.get(cap, [])], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
         lanes = torch.ops.hf_speedup_cpu.vector_lanes()
-        ok, why = True, f"C++ kernel built for {cap} ({lanes} fp32 lanes)"
+        tiles = "bf16 in tiles on the matrix units (oneDNN micro-kernels)" if torch.ops.hf_speedup_cpu.tiles_available() \
+            else "bf16 through ATen's bmm (no matrix units oneDNN drives here)"
+        ok, why = True, f"C++ kernel built for {cap} ({lanes} fp32 lanes), {tiles}"
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the plan keeps torch's kernel
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         first = next((line for line in lines if "error" in line.lower() and ".cpp" in line), None) or \
@@ -69,6 +80,12 @@ def load() -> tuple[bool, str]:
         logger.warning("hf_speedup attention: blocked kernel unavailable: %s", why)
     _STATE.update(ok=ok, why=why)
     return ok, why
+
+
+def tiled(query: torch.Tensor) -> bool:
+    """Whether this call runs the tiled form: bf16, matrix units oneDNN drives, a head size of whole vectors."""
+    return query.dtype == torch.bfloat16 and query.shape[-1] % 16 == 0 and FORM[0] != "bmm" and \
+        bool(torch.ops.hf_speedup_cpu.tiles_available())
 
 
 def sequence_starts(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
@@ -87,6 +104,9 @@ def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """Causal attention of every sequence of each row with itself: (output like ``query``, fp32 log-sum-exp)."""
     CALLS[0] += 1
     starts = sequence_starts(position_ids, query.shape[0])
+    if tiled(query):
+        TILED[0] += 1
+        return torch.ops.hf_speedup_cpu.blocked_tiles_forward(query, key, value, starts, scale, *TILES)
     return torch.ops.hf_speedup_cpu.blocked_attention_forward(query, key, value, starts, scale, block)
 
 
@@ -100,6 +120,9 @@ def blocked_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: tor
                                out: torch.Tensor, lse: torch.Tensor, position_ids: torch.Tensor, scale: float,
                                block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     starts = sequence_starts(position_ids, query.shape[0])
+    if tiled(query):
+        return torch.ops.hf_speedup_cpu.blocked_tiles_backward(grad, query, key, value, out, lse, starts, scale,
+                                                                *TILES)
     return torch.ops.hf_speedup_cpu.blocked_attention_backward(grad, query, key, value, out, lse, starts, scale,
                                                                 block)
 

@@ -48,9 +48,10 @@ def measure(config, caps, info) -> dict:
     rows = "one sequence" if config.data.padding_free is False else "ragged documents"
     threads = torch.get_num_threads()
     where = f"{caps.device_name}, {threads} thread(s), torch {torch.__version__}"
-    source = hashlib.sha256(blocked.SOURCE.read_bytes()).hexdigest()[:12]
+    source = hashlib.sha256(b"".join(path.read_bytes() for path in blocked.SOURCES)).hexdigest()[:12]
     key = {"device": caps.device_name, "threads": threads, "torch": torch.__version__, "shapes": shapes,
-           "tokens": tokens, "rows": rows, "dtype": str(dtype), "kernel": source, "block": blocked.BLOCK}
+           "tokens": tokens, "rows": rows, "dtype": str(dtype), "kernel": source, "block": blocked.BLOCK,
+           "tiles": blocked.TILES}
     result = cached(MEASURED, key, lambda: timing(shapes, tokens, dtype, where, documents(tokens, rows)))
     logger.info("hf_speedup attention: %s", result.text())
     return {MEASURED: result}
@@ -94,14 +95,14 @@ def timing(shapes: tuple[int, int, int], tokens: int, dtype: torch.dtype, where:
         if step is None:
             table[kernel] = why
             continue
-        calls = blocked.CALLS[0]
+        calls, tiled = blocked.CALLS[0], blocked.TILED[0]
         times = []
         for i in range(repeats + 1):
             start = time.perf_counter()
             step(q, k, v, grad, positions, dim ** -0.5)
             if i:
                 times.append(time.perf_counter() - start)
-        blocked.CALLS[0] = calls  # timings are not training
+        blocked.CALLS[0], blocked.TILED[0] = calls, tiled  # timings are not training
         table[kernel] = statistics.median(times)
     return Measurement(value=table, what=what, where=where)
 

@@ -20,6 +20,17 @@
 #include <tuple>
 #include <vector>
 
+namespace hf_speedup_tiles {  // blocked_tiles.cpp
+bool available();
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& starts, double scale, int64_t queries, int64_t keys);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v,
+                                                        const at::Tensor& out, const at::Tensor& lse,
+                                                        const at::Tensor& starts, double scale, int64_t queries,
+                                                        int64_t keys);
+}  // namespace hf_speedup_tiles
+
 namespace {
 
 using fVec = at::vec::Vectorized<float>;
@@ -278,6 +289,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> blocked_attention_backward(
 
 int64_t vector_lanes() { return W; }
 
+bool tiles_available() { return hf_speedup_tiles::available(); }
+
+void check_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& starts,
+                 int64_t queries, int64_t keys) {
+  check(q, k, v, starts);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "blocked attention tiles: bf16 only");
+  TORCH_CHECK(hf_speedup_tiles::available(), "blocked attention tiles: this CPU has no matrix units oneDNN drives");
+  TORCH_CHECK(queries > 0 && keys > 0 && queries % 2 == 0 && keys % 2 == 0 && q.size(3) % fVec::size() == 0,
+              "blocked attention tiles: even tile sizes and a head size a multiple of the vector width");
+}
+
+std::tuple<at::Tensor, at::Tensor> tiles_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& starts, double scale, int64_t queries,
+                                                 int64_t keys) {
+  check_tiles(q, k, v, starts, queries, keys);
+  return hf_speedup_tiles::forward(q, k, v, starts, scale, queries, keys);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> tiles_backward(
+    const at::Tensor& grad, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& starts, double scale, int64_t queries, int64_t keys) {
+  check_tiles(q, k, v, starts, queries, keys);
+  TORCH_CHECK(grad.scalar_type() == q.scalar_type(), "blocked attention: gradient in the query's dtype");
+  return hf_speedup_tiles::backward(grad, q, k, v, out, lse, starts, scale, queries, keys);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hf_speedup_cpu, m) {
@@ -286,11 +323,21 @@ TORCH_LIBRARY(hf_speedup_cpu, m) {
         "-> (Tensor, Tensor)");
   m.def("blocked_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
         "Tensor starts, float scale, int block) -> (Tensor, Tensor, Tensor)");
+  m.def("tiles_available() -> bool");
+  m.def("blocked_tiles_forward(Tensor q, Tensor k, Tensor v, Tensor starts, float scale, int queries, int keys) "
+        "-> (Tensor, Tensor)");
+  m.def("blocked_tiles_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor starts, float scale, int queries, int keys) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_speedup_cpu, CPU, m) {
   m.impl("blocked_attention_forward", &blocked_attention_forward);
   m.impl("blocked_attention_backward", &blocked_attention_backward);
+  m.impl("blocked_tiles_forward", &tiles_forward);
+  m.impl("blocked_tiles_backward", &tiles_backward);
 }
 
-TORCH_LIBRARY_IMPL(hf_speedup_cpu, CompositeExplicitAutograd, m) { m.impl("vector_lanes", &vector_lanes); }
+TORCH_LIBRARY_IMPL(hf_speedup_cpu, CompositeExplicitAutograd, m) {
+  m.impl("vector_lanes", &vector_lanes);
+  m.impl("tiles_available", &tiles_available);
+}
