@@ -31,7 +31,7 @@ from ...config import SpeedupConfigError
 from ...plan_types import OFF, Decision, Outcome, PlanContext
 from .. import sequence_parallel
 from . import blocked, sdpa_varlen
-from .door import MEASURED, measure  # noqa: F401  (the door's hook: plan.measure calls every feature's)
+from .door import MEASURED, measure, measured_tiles  # noqa: F401  (measure: the door's hook, plan.measure calls it)
 
 NAME = "attention"
 logger = logging.getLogger("hf_speedup")
@@ -49,6 +49,7 @@ class Settings:
     packed: bool = False  # the data feature makes padding-free rows
     dtype: str = "fp32"
     strict: bool = False  # attention.strict: a kernel the model refuses at apply is an error, not a fallback
+    tiles: tuple[int, int] | None = None  # blocked's tile size (queries, keys), as the door measured fastest
 
 
 # transformers' own checks: the distribution's name (flash-attn-4 also installs ``flash_attn``), its version
@@ -157,8 +158,9 @@ WHY = {
     "flash_attention_2": "FlashAttention-2: exact, memory-linear in length; padding-free rows as cu_seqlens",
     "sdpa_varlen": ("padding-free rows on CPU: each sequence through torch's CPU flash kernel (causal), no work "
                     "across sequences and no T x T mask (sdpa would compute the whole row and mask it)"),
-    "blocked": ("hf_speedup's CPU kernel: large GEMMs per block of 128 queries, grouped keys read in place, a fused "
-                "fp32 softmax, sequences of padding-free rows from the position ids"),
+    "blocked": ("hf_speedup's CPU kernel: grouped keys read in place, sequences of padding-free rows from the position "
+                "ids; bf16 on AMX in tiles (oneDNN micro-kernels, an online softmax, the tile size measured), else "
+                "large GEMMs per block of 128 queries with a fused fp32 softmax"),
     "sdpa": "torch scaled_dot_product_attention",
     "eager": "the model's plain matmul-softmax attention",
     "flex_attention": "torch flex_attention (block-sparse masks, compiled by transformers)",
@@ -228,7 +230,8 @@ def decide(ctx: PlanContext) -> Decision:
         reason += " - already the model's"
     return Decision(NAME, requested=asked, applied=chosen, reason=reason, fallbacks=tuple(fallbacks),
                     settings=Settings(implementation=chosen, previous=current, packed=packed, dtype=dtype,
-                                      strict=bool(cfg.strict)))
+                                      strict=bool(cfg.strict),
+                                      tiles=measured_tiles(_timings(caps)) if chosen == "blocked" else None))
 
 
 def training_args(decision: Decision, args) -> dict:
@@ -260,6 +263,7 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
                 sdpa_varlen.register()
         else:
             blocked.register()
+            blocked.TILES = decision.settings.tiles or blocked.DEFAULT_TILES
             outcome.facts["build"] = why
             outcome.facts["calls_before"] = blocked.CALLS[0]
             outcome.facts["tiled_before"] = blocked.TILED[0]
@@ -314,7 +318,8 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         calls = blocked.CALLS[0] - outcome.facts.get("calls_before", 0)
         tiled = blocked.TILED[0] - outcome.facts.get("tiled_before", 0)
         text += (f"; hf_speedup::blocked_attention registered ({outcome.facts.get('build', 'loaded')}); "
-                 f"{calls} kernel call(s)" + (f", {tiled} of them tiled" if calls else ""))
+                 f"{calls} kernel call(s)" + (f", {tiled} of them tiled" if calls else "") +
+                 (f" ({blocked.TILES[0]} queries x {blocked.TILES[1]} keys)" if tiled else ""))
         if steps_trained(trainer, outcome) > 0 and calls == 0:  # every call went to sdpa's fallback path
             return False, text + " in training: it never ran (each call fell back to sdpa)"
         return True, text

@@ -34,7 +34,9 @@ from ...memory_model import BLOCKED_QUERIES
 NAME = "blocked"
 BLOCK = BLOCKED_QUERIES  # GEMMs of 128 x heads-per-group rows, the diagonal block's waste <= 128 / length; the
 # memory model sizes the kernel's working set by it
-TILES = (128, 128)  # (queries, keys) of a tile in the bf16 form on matrix units (csrc/blocked_tiles.cpp)
+TILE_CHOICES = ((64, 64), (64, 128), (128, 128))  # (queries, keys) of a tile of the tiled form; the door times each
+DEFAULT_TILES = (64, 128)  # where the door did not measure (HF_SPEEDUP_MEASURE=0, an explicit kernel)
+TILES = DEFAULT_TILES  # the one calls use: attention's apply sets the door's fastest
 SOURCE = Path(__file__).with_name("csrc") / "blocked_attention.cpp"
 SOURCES = (SOURCE, SOURCE.with_name("blocked_tiles.cpp"))
 logger = logging.getLogger("hf_speedup")

@@ -51,7 +51,7 @@ def measure(config, caps, info) -> dict:
     source = hashlib.sha256(b"".join(path.read_bytes() for path in blocked.SOURCES)).hexdigest()[:12]
     key = {"device": caps.device_name, "threads": threads, "torch": torch.__version__, "shapes": shapes,
            "tokens": tokens, "rows": rows, "dtype": str(dtype), "kernel": source, "block": blocked.BLOCK,
-           "tiles": blocked.TILES}
+           "tiles": blocked.TILE_CHOICES}
     result = cached(MEASURED, key, lambda: timing(shapes, tokens, dtype, where, documents(tokens, rows)))
     logger.info("hf_speedup attention: %s", result.text())
     return {MEASURED: result}
@@ -90,21 +90,43 @@ def timing(shapes: tuple[int, int, int], tokens: int, dtype: torch.dtype, where:
     table: dict[str, float | str] = {}
     sdpa_varlen.native_gqa()
     ok, why = blocked.load()
-    runs = {"sdpa_varlen": _varlen_step, "blocked": blocked_step if ok else None}
-    for kernel, step in runs.items():
-        if step is None:
-            table[kernel] = why
-            continue
+    runs = {"sdpa_varlen": (_varlen_step, None)}
+    if not ok:
+        table["blocked"] = why
+    elif blocked.tiled(q):  # the tiled form: each tile size is a candidate, the fastest is the kernel's figure
+        runs.update({f"blocked@{qt}x{kt}": (blocked_step, (qt, kt)) for qt, kt in blocked.TILE_CHOICES})
+    else:
+        runs["blocked"] = (blocked_step, None)
+    saved = blocked.TILES
+    for kernel, (step, tiles) in runs.items():
         calls, tiled = blocked.CALLS[0], blocked.TILED[0]
+        blocked.TILES = tiles or saved
         times = []
-        for i in range(repeats + 1):
-            start = time.perf_counter()
-            step(q, k, v, grad, positions, dim ** -0.5)
-            if i:
-                times.append(time.perf_counter() - start)
-        blocked.CALLS[0], blocked.TILED[0] = calls, tiled  # timings are not training
+        try:
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                step(q, k, v, grad, positions, dim ** -0.5)
+                if i:
+                    times.append(time.perf_counter() - start)
+        finally:
+            blocked.TILES = saved
+            blocked.CALLS[0], blocked.TILED[0] = calls, tiled  # timings are not training
         table[kernel] = statistics.median(times)
+    candidates = {name: t for name, t in table.items() if name.startswith("blocked@")}
+    if candidates:
+        best = min(candidates, key=candidates.get)
+        table["blocked"], table["tiles"] = candidates[best], best.split("@")[1]
     return Measurement(value=table, what=what, where=where)
+
+
+def measured_tiles(value: dict) -> tuple[int, int] | None:
+    """The tile size the door timed fastest ("64x128" -> (64, 128)); None where the tiled form was not timed."""
+    text = value.get("tiles") if isinstance(value, dict) else None
+    if not isinstance(text, str) or "x" not in text:
+        return None
+    queries, keys = text.split("x")
+    return int(queries), int(keys)
+
 
 
 def _varlen_step(q, k, v, grad, positions, scale):

@@ -6,9 +6,11 @@
 // GEMM, and every GEMM is one oneDNN micro-kernel call (``cpublas::brgemm``) on operands packed once (keys and
 // values once per key/value head, shared by its query heads; a query tile once per tile). The forward keeps an
 // online softmax (running max and sum in fp32); the backward recomputes each score tile from the saved
-// log-sum-exp. Work is split over (row, query head) for the backward, so each task owns its dK/dV accumulators
-// (fp32, summed over the heads of a group afterwards: deterministic, memory linear in the length), and over (row,
-// query head, query tile) for the forward.
+// log-sum-exp. Both stack the query heads of a group on each tile of keys (one load serves the group, and the
+// GEMMs grow by the group's size). The forward splits work over (row, key/value head, query tile); the backward
+// over (row, key/value head) and, where those are fewer than twice the threads, interleaved parts of the query
+// tiles, each task with its own fp32 dK/dV accumulators (summed at the end: deterministic for a thread count,
+// memory linear in the length).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,14 +18,16 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 namespace hf_speedup_tiles {
 
@@ -33,13 +37,9 @@ constexpr int64_t W = fVec::size();
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float LOG2E = 1.4426950408889634f;
 
-bool available() {
-#if defined(CPU_CAPABILITY_AVX512)
-  return at::native::cpublas::could_pack(at::kBFloat16);
-#else
-  return false;  // the VNNI packing below is AVX-512 code
-#endif
-}
+#if defined(CPU_CAPABILITY_AVX512)  // AMX CPUs all have AVX-512; the packing and the exp below are AVX-512 code
+
+bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 // dst (cols x rows, ld_dst) = src (rows x cols, ld_src)^T in 32 x 32 blocks of AVX-512 shuffles
 inline void transpose(const bf16* src, int64_t ld_src, bf16* dst, int64_t ld_dst, int64_t rows, int64_t cols) {
@@ -239,89 +239,112 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& grad_i
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), G = H / Hkv;
   const float scale = static_cast<float>(scale_d);
   auto delta = (grad.to(at::kFloat) * out.to(at::kFloat)).sum(-1).contiguous();  // (B, H, T)
-  const int64_t ktiles = (T + NK - 1) / NK, TP = ktiles * NK, tile = D * NK;
+  const int64_t ktiles = (T + NK - 1) / NK, TP = ktiles * NK, tile = D * NK, qtiles = (T + BQ - 1) / BQ;
+  const int64_t R = G * BQ;  // a task's rows: the group's query heads stacked, BQ rows each (zero past T)
+  // a task: one key/value head's query tiles part, part + parts, ...; parts only where the heads are too few to
+  // keep the threads busy, each with its own dK^T, dV^T accumulators (D x keys, fp32), summed below
+  const int64_t want = (2 * at::get_num_threads() + B * Hkv - 1) / (B * Hkv);
+  const int64_t parts = std::max<int64_t>(1, std::min({want, G, qtiles}));
   auto dq = at::empty_like(q);
-  // dK^T and dV^T per query head (D x keys), summed over the heads of a group below
-  auto dk_h = at::empty({B, Hkv, G, D, TP}, q.options().dtype(at::kFloat));
-  auto dv_h = at::empty({B, Hkv, G, D, TP}, q.options().dtype(at::kFloat));
+  auto acc = at::zeros({B, Hkv, parts, 2, D, TP}, q.options().dtype(at::kFloat));
   const auto packed = pack_all(k, v, NK, true);
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(BQ * NK), dp(BQ * NK), dqa(BQ * D);
-    std::vector<bf16> p(BQ * NK, bf16(0.f)), ds(BQ * NK, bf16(0.f)), pv(BQ * NK), dsv(BQ * NK), qT(D * BQ),
-        gT(D * BQ);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H;
+  at::parallel_for(0, B * Hkv * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(R * NK), dp(R * NK), dqa(R * D);
+    std::vector<bf16> qs(R * D), gs(R * D), qT(D * R), gT(D * R), p(R * NK), ds(R * NK), pv(R * NK), dsv(R * NK);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bk = task / parts, part = task % parts, b = bk / Hkv;
       const int64_t* st = starts.data_ptr<int64_t>() + (starts.size(0) == 1 ? 0 : b * T);
-      const Packed& pk = packed[b * Hkv + (bh % H) / G];
-      float* dk = dk_h.data_ptr<float>() + bh * D * TP;
-      float* dv = dv_h.data_ptr<float>() + bh * D * TP;
-      std::memset(dk, 0, TP * D * sizeof(float));
-      std::memset(dv, 0, TP * D * sizeof(float));
-      for (int64_t i0 = 0; i0 < T; i0 += BQ) {
+      const Packed& pk = packed[bk];
+      float* dk = acc.data_ptr<float>() + task * 2 * D * TP;
+      float* dv = dk + D * TP;
+      for (int64_t i0 = part * BQ; i0 < T; i0 += parts * BQ) {
         const int64_t M = std::min(BQ, T - i0);
-        const bf16* qt = q.data_ptr<bf16>() + (bh * T + i0) * D;
-        const bf16* gt = grad.data_ptr<bf16>() + (bh * T + i0) * D;
-        const float* lt = lse.data_ptr<float>() + bh * T + i0;
-        const float* dt = delta.data_ptr<float>() + bh * T + i0;
-        // Q^T and dO^T of the tile (D x BQ, columns past M zero): the A operands of dK^T and dV^T
-        if (M < BQ) {
-          std::memset(static_cast<void*>(qT.data()), 0, qT.size() * sizeof(bf16));
-          std::memset(static_cast<void*>(gT.data()), 0, gT.size() * sizeof(bf16));
+        if (M < BQ) {  // the last tile: rows past T are zero (their scores, P and dS come out zero or unused)
+          std::memset(static_cast<void*>(qs.data()), 0, qs.size() * sizeof(bf16));
+          std::memset(static_cast<void*>(gs.data()), 0, gs.size() * sizeof(bf16));
+          std::memset(static_cast<void*>(p.data()), 0, p.size() * sizeof(bf16));
+          std::memset(static_cast<void*>(ds.data()), 0, ds.size() * sizeof(bf16));
         }
-        transpose(qt, D, qT.data(), BQ, M, D);
-        transpose(gt, D, gT.data(), BQ, M, D);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t row = ((bk * G + g) * T + i0) * D;
+          std::memcpy(qs.data() + g * BQ * D, q.data_ptr<bf16>() + row, M * D * sizeof(bf16));
+          std::memcpy(gs.data() + g * BQ * D, grad.data_ptr<bf16>() + row, M * D * sizeof(bf16));
+        }
+        transpose(qs.data(), D, qT.data(), R, R, D);  // Q^T and dO^T: the A operands of dK^T and dV^T
+        transpose(gs.data(), D, gT.data(), R, R, D);
         std::fill(dqa.begin(), dqa.end(), 0.f);
         for (int64_t j = st[i0] / NK; j <= (i0 + M - 1) / NK; ++j) {
           const int64_t j0 = j * NK;
-          gemm(M, NK, D, D, NK, NK, false, qt, pk.kt.data() + j * tile, s.data());
-          gemm(M, NK, D, D, NK, NK, false, gt, pk.vt.data() + j * tile, dp.data());
-          for (int64_t r = 0; r < M; ++r) {
-            int64_t lo, hi;
-            visible(st, i0 + r, j0, NK, lo, hi);
-            float* sr = s.data() + r * NK;
-            float* dr = dp.data() + r * NK;
-            if (lo <= hi) {
-              const fVec vs(scale), vs2(scale * LOG2E), vl(lt[r] * LOG2E), vdelta(dt[r]);
-              int64_t c = lo;
-              for (; c + W <= hi + 1; c += W) {
-                fVec e = exp2_fast(at::vec::fmsub(fVec::loadu(sr + c), vs2, vl));
-                e.store(sr + c);
-                (e * (fVec::loadu(dr + c) - vdelta) * vs).store(dr + c);
+          gemm(R, NK, D, D, NK, NK, false, qs.data(), pk.kt.data() + j * tile, s.data());
+          gemm(R, NK, D, D, NK, NK, false, gs.data(), pk.vt.data() + j * tile, dp.data());
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = bk * G + g;
+            const float* lt = lse.data_ptr<float>() + h * T + i0;
+            const float* dt = delta.data_ptr<float>() + h * T + i0;
+            for (int64_t r = 0; r < M; ++r) {
+              int64_t lo, hi;
+              visible(st, i0 + r, j0, NK, lo, hi);
+              float* sr = s.data() + (g * BQ + r) * NK;
+              float* dr = dp.data() + (g * BQ + r) * NK;
+              if (lo <= hi) {
+                const fVec vs(scale), vs2(scale * LOG2E), vl(lt[r] * LOG2E), vdelta(dt[r]);
+                int64_t c = lo;
+                for (; c + W <= hi + 1; c += W) {
+                  fVec e = exp2_fast(at::vec::fmsub(fVec::loadu(sr + c), vs2, vl));
+                  e.store(sr + c);
+                  (e * (fVec::loadu(dr + c) - vdelta) * vs).store(dr + c);
+                }
+                for (; c <= hi; ++c) {
+                  sr[c] = std::exp(sr[c] * scale - lt[r]);
+                  dr[c] = sr[c] * (dr[c] - dt[r]) * scale;
+                }
+              } else {
+                lo = NK, hi = NK - 1;
               }
-              for (; c <= hi; ++c) {
-                sr[c] = std::exp(sr[c] * scale - lt[r]);
-                dr[c] = sr[c] * (dr[c] - dt[r]) * scale;
-              }
-            } else {
-              lo = NK, hi = NK - 1;
+              std::fill(sr, sr + lo, 0.f);
+              std::fill(sr + hi + 1, sr + NK, 0.f);
+              std::fill(dr, dr + lo, 0.f);
+              std::fill(dr + hi + 1, dr + NK, 0.f);
+              at::vec::convert(sr, p.data() + (g * BQ + r) * NK, NK);
+              at::vec::convert(dr, ds.data() + (g * BQ + r) * NK, NK);
             }
-            std::fill(sr, sr + lo, 0.f);
-            std::fill(sr + hi + 1, sr + NK, 0.f);
-            std::fill(dr, dr + lo, 0.f);
-            std::fill(dr + hi + 1, dr + NK, 0.f);
-            at::vec::convert(sr, p.data() + r * NK, NK);
-            at::vec::convert(dr, ds.data() + r * NK, NK);
           }
-          // P and dS as B operands (BQ x NK, VNNI; rows past M stay zero) of dV^T and dK^T
-          at::vec::pack_vnni2(p.data(), pv.data(), NK, BQ, NK);
-          at::vec::pack_vnni2(ds.data(), dsv.data(), NK, BQ, NK);
-          gemm(D, NK, BQ, BQ, NK, TP, true, gT.data(), pv.data(), dv + j0);
-          gemm(D, NK, BQ, BQ, NK, TP, true, qT.data(), dsv.data(), dk + j0);
-          gemm(M, D, NK, NK, D, D, true, ds.data(), pk.kk.data() + j * tile, dqa.data());
+          // P and dS as B operands (R x NK, VNNI) of dV^T and dK^T
+          at::vec::pack_vnni2(p.data(), pv.data(), NK, R, NK);
+          at::vec::pack_vnni2(ds.data(), dsv.data(), NK, R, NK);
+          gemm(D, NK, R, R, NK, TP, true, gT.data(), pv.data(), dv + j0);
+          gemm(D, NK, R, R, NK, TP, true, qT.data(), dsv.data(), dk + j0);
+          gemm(R, D, NK, NK, D, D, true, ds.data(), pk.kk.data() + j * tile, dqa.data());
         }
-        if (M < BQ) {  // the last tile's rows past M were written: zero them for the next head
-          std::memset(static_cast<void*>(p.data() + M * NK), 0, (BQ - M) * NK * sizeof(bf16));
-          std::memset(static_cast<void*>(ds.data() + M * NK), 0, (BQ - M) * NK * sizeof(bf16));
+        for (int64_t g = 0; g < G; ++g) {
+          bf16* dqt = dq.data_ptr<bf16>() + ((bk * G + g) * T + i0) * D;
+          for (int64_t r = 0; r < M; ++r) at::vec::convert(dqa.data() + (g * BQ + r) * D, dqt + r * D, D);
         }
-        bf16* dqt = dq.data_ptr<bf16>() + (bh * T + i0) * D;
-        for (int64_t r = 0; r < M; ++r) at::vec::convert(dqa.data() + r * D, dqt + r * D, D);
       }
     }
     at::native::cpublas::brgemm_release(true);
   });
-  auto dk = at::empty_like(k_in).copy_(dk_h.sum(2).narrow(3, 0, T).transpose(2, 3));
-  auto dv = at::empty_like(v_in).copy_(dv_h.sum(2).narrow(3, 0, T).transpose(2, 3));
+  auto grads = acc.sum(2).narrow(4, 0, T).transpose(3, 4);  // (B, Hkv, 2, T, D)
+  auto dk = at::empty_like(k_in).copy_(grads.select(2, 0));
+  auto dv = at::empty_like(v_in).copy_(grads.select(2, 1));
   return {like(q_in, dq), dk, dv};
 }
+
+#else  // an AVX2 or plain build: the bmm form serves every call
+
+bool available() { return false; }
+
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                           const at::Tensor&, double, int64_t, int64_t) {
+  TORCH_CHECK(false, "blocked attention tiles: built without AVX-512");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        const at::Tensor&, double, int64_t, int64_t) {
+  TORCH_CHECK(false, "blocked attention tiles: built without AVX-512");
+}
+
+#endif
 
 }  // namespace hf_speedup_tiles
