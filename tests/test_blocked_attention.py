@@ -5,6 +5,8 @@ that fails falls back with its reason."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -110,13 +112,14 @@ def test_the_tiled_form_under_opcheck(tiles):
     assert set(result.values()) == {"SUCCESS"}, result
 
 
-def test_the_door_times_each_tile_size_and_keeps_the_fastest(tiles):
+def test_the_door_times_each_form_and_keeps_the_fastest(tiles):
     found = door.timing((4, 2, 16), 64, torch.bfloat16, "a test machine", [20, 44], repeats=1).value
     candidates = {k: v for k, v in found.items() if k.startswith("blocked@")}
-    assert set(candidates) == {f"blocked@{q}x{k}" for q, k in blocked.TILE_CHOICES}
-    assert found["blocked"] == min(candidates.values()) and candidates[f"blocked@{found['tiles']}"] == found["blocked"]
-    assert blocked.TILES == (16, 32)  # timing leaves the run's tile size alone
-    assert door.measured_tiles(found) in blocked.TILE_CHOICES
+    assert set(candidates) == {*(f"blocked@{q}x{k}" for q, k in blocked.TILE_CHOICES), "blocked@bmm"}
+    assert found["blocked"] == min(candidates.values()) and candidates[f"blocked@{found['form']}"] == found["blocked"]
+    assert blocked.TILES == (16, 32) and blocked.FORM == ["auto"]  # timing leaves the run's form alone
+    assert door.measured_form(found) == found["form"]
+    assert door.measured_form({"form": "fast"}) is None and door.measured_form({}) is None
 
 
 def test_the_plan_carries_the_measured_tile_size_to_the_kernel(tiny_model, make_args, monkeypatch):
@@ -124,23 +127,27 @@ def test_the_plan_carries_the_measured_tile_size_to_the_kernel(tiny_model, make_
 
     from hf_speedup.plan_types import Outcome
 
-    value = {"sdpa_varlen": 0.030, "blocked@64x64": 0.012, "blocked@128x128": 0.010, "blocked": 0.010,
-             "tiles": "128x128"}
+    value = {"sdpa_varlen": 0.030, "blocked@64x64": 0.012, "blocked@128x128": 0.010, "blocked@bmm": 0.011,
+             "blocked": 0.010, "form": "128x128"}
     caps = fake_caps(**CPU_AMX, measured={door.MEASURED: Measurement(value, "t", "m")})
     decision = plan_for(get_preset("auto"), caps=caps, model=tiny_model, args=make_args())["attention"]
-    assert decision.applied == "blocked" and decision.settings.tiles == (128, 128)
-    assert "tiles: 128x128" in decision.reason and "measured blocked 3.00x torch's CPU flash kernel" in decision.reason
+    assert decision.applied == "blocked" and decision.settings.form == "128x128"
+    assert "form: 128x128" in decision.reason and "measured blocked 3.00x torch's CPU flash kernel" in decision.reason
     monkeypatch.setattr(blocked, "TILES", blocked.DEFAULT_TILES)
+    monkeypatch.setattr(blocked, "FORM", ["auto"])
     monkeypatch.setattr(blocked, "load", lambda: (True, "a test build"))
     monkeypatch.setattr(blocked, "register", lambda: blocked.NAME)
     monkeypatch.setattr(type(tiny_model), "set_attn_implementation", lambda self, name: None)
     attention.apply(decision, SimpleNamespace(model=tiny_model, data_collator=None), Outcome())
-    assert blocked.TILES == (128, 128)
+    assert blocked.TILES == (128, 128) and blocked.FORM == ["auto"]
+    bmm = decision.replace(settings=dataclasses.replace(decision.settings, form="bmm"))
+    attention.apply(bmm, SimpleNamespace(model=tiny_model, data_collator=None), Outcome())
+    assert blocked.FORM == ["bmm"]  # the door timed ATen's bmm form fastest: the tiled form is held
     unmeasured = plan_for(get_preset("auto").replace(attention={"implementation": "blocked"}), caps=fake_caps(**CPU_AMX),
                           model=tiny_model, args=make_args())["attention"]
-    assert unmeasured.settings.tiles is None
+    assert unmeasured.settings.form is None
     attention.apply(unmeasured, SimpleNamespace(model=tiny_model, data_collator=None), Outcome())
-    assert blocked.TILES == blocked.DEFAULT_TILES
+    assert blocked.TILES == blocked.DEFAULT_TILES and blocked.FORM == ["auto"]
 
 
 def test_one_opaque_op_under_a_fullgraph_compile(kernel):

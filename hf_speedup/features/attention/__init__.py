@@ -31,7 +31,7 @@ from ...config import SpeedupConfigError
 from ...plan_types import OFF, Decision, Outcome, PlanContext
 from .. import sequence_parallel
 from . import blocked, sdpa_varlen
-from .door import MEASURED, measure, measured_tiles  # noqa: F401  (measure: the door's hook, plan.measure calls it)
+from .door import MEASURED, measure, measured_form  # noqa: F401  (measure: the door's hook, plan.measure calls it)
 
 NAME = "attention"
 logger = logging.getLogger("hf_speedup")
@@ -49,7 +49,7 @@ class Settings:
     packed: bool = False  # the data feature makes padding-free rows
     dtype: str = "fp32"
     strict: bool = False  # attention.strict: a kernel the model refuses at apply is an error, not a fallback
-    tiles: tuple[int, int] | None = None  # blocked's tile size (queries, keys), as the door measured fastest
+    form: str | None = None  # blocked's form as the door measured fastest: tiles "QxK" or "bmm" (None: defaults)
 
 
 # transformers' own checks: the distribution's name (flash-attn-4 also installs ``flash_attn``), its version
@@ -159,8 +159,8 @@ WHY = {
     "sdpa_varlen": ("padding-free rows on CPU: each sequence through torch's CPU flash kernel (causal), no work "
                     "across sequences and no T x T mask (sdpa would compute the whole row and mask it)"),
     "blocked": ("hf_speedup's CPU kernel: grouped keys read in place, sequences of padding-free rows from the position "
-                "ids; bf16 on AMX in tiles (oneDNN micro-kernels, an online softmax, the tile size measured), else "
-                "large GEMMs per block of 128 queries with a fused fp32 softmax"),
+                "ids; bf16 on AMX in tiles (oneDNN micro-kernels, an online softmax) or large GEMMs per block of 128 "
+                "queries (ATen's bmm, a fused fp32 softmax), whichever the door timed faster"),
     "sdpa": "torch scaled_dot_product_attention",
     "eager": "the model's plain matmul-softmax attention",
     "flex_attention": "torch flex_attention (block-sparse masks, compiled by transformers)",
@@ -231,7 +231,7 @@ def decide(ctx: PlanContext) -> Decision:
     return Decision(NAME, requested=asked, applied=chosen, reason=reason, fallbacks=tuple(fallbacks),
                     settings=Settings(implementation=chosen, previous=current, packed=packed, dtype=dtype,
                                       strict=bool(cfg.strict),
-                                      tiles=measured_tiles(_timings(caps)) if chosen == "blocked" else None))
+                                      form=measured_form(_timings(caps)) if chosen == "blocked" else None))
 
 
 def training_args(decision: Decision, args) -> dict:
@@ -263,7 +263,7 @@ def apply(decision: Decision, setup, outcome: Outcome) -> None:
                 sdpa_varlen.register()
         else:
             blocked.register()
-            blocked.TILES = decision.settings.tiles or blocked.DEFAULT_TILES
+            blocked.use(decision.settings.form)
             outcome.facts["build"] = why
             outcome.facts["calls_before"] = blocked.CALLS[0]
             outcome.facts["tiled_before"] = blocked.TILED[0]

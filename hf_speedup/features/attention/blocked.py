@@ -19,7 +19,8 @@ Whether it beats torch's kernel depends on the machine and shapes: ``auto`` time
 On CPUs whose matrix units oneDNN drives (AMX), bf16 runs a tiled form instead (``csrc/blocked_tiles.cpp``): a
 tile of ``TILES`` queries x keys at a time, flash-style, so the scores stay in cache from the score GEMM through the
 softmax to the next GEMM, each GEMM one oneDNN micro-kernel call on operands packed once. Same op, same exactness
-tests; ``FORM`` holds the ATen-bmm form for A/B runs.
+tests. Which form and tile size pays depends on the shapes (RESULTS.md): the door times each (:func:`use` sets
+what it found fastest).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ SOURCE = Path(__file__).with_name("csrc") / "blocked_attention.cpp"
 SOURCES = (SOURCE, SOURCE.with_name("blocked_tiles.cpp"))
 logger = logging.getLogger("hf_speedup")
 _STATE: dict[str, object] = {}
-FORM = ["auto"]  # "bmm" holds the ATen-bmm form where the tiled one would run (tests, A/B benchmarks)
+FORM = ["auto"]  # "bmm" holds the ATen-bmm form where the tiled one would run (the door's choice, A/B runs)
 CALLS = [0]  # forward calls of the kernel in this process (the verification reads it)
 TILED = [0]  # of which ran the tiled form
 
@@ -71,8 +72,8 @@ def load() -> tuple[bool, str]:
                            extra_cflags=["-O3", "-fopenmp", *FLAGS.get(cap, [])], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
         lanes = torch.ops.hf_speedup_cpu.vector_lanes()
-        tiles = "bf16 in tiles on the matrix units (oneDNN micro-kernels)" if torch.ops.hf_speedup_cpu.tiles_available() \
-            else "bf16 through ATen's bmm (no matrix units oneDNN drives here)"
+        tiles = "its tiled bf16 form can run (AMX, oneDNN micro-kernels)" if \
+            torch.ops.hf_speedup_cpu.tiles_available() else "bf16 through ATen's bmm only (no AMX oneDNN drives here)"
         ok, why = True, f"C++ kernel built for {cap} ({lanes} fp32 lanes), {tiles}"
     except Exception as exc:  # no compiler, no ninja, a read-only cache: the plan keeps torch's kernel
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -82,6 +83,16 @@ def load() -> tuple[bool, str]:
         logger.warning("hf_speedup attention: blocked kernel unavailable: %s", why)
     _STATE.update(ok=ok, why=why)
     return ok, why
+
+
+def use(form: str | None) -> None:
+    """Set the form calls run: "bmm", a tile size "QxK" (the door's fastest), or None (the defaults)."""
+    if form == "bmm":
+        FORM[0] = "bmm"
+        return
+    global TILES
+    FORM[0] = "auto"
+    TILES = tuple(int(n) for n in form.split("x")) if form else DEFAULT_TILES
 
 
 def tiled(query: torch.Tensor) -> bool:

@@ -93,14 +93,16 @@ def timing(shapes: tuple[int, int, int], tokens: int, dtype: torch.dtype, where:
     runs = {"sdpa_varlen": (_varlen_step, None)}
     if not ok:
         table["blocked"] = why
-    elif blocked.tiled(q):  # the tiled form: each tile size is a candidate, the fastest is the kernel's figure
-        runs.update({f"blocked@{qt}x{kt}": (blocked_step, (qt, kt)) for qt, kt in blocked.TILE_CHOICES})
+    elif blocked.tiled(q):  # each tile size of the tiled form and the bmm form: the fastest is the kernel's figure
+        runs.update({f"blocked@{qt}x{kt}": (blocked_step, f"{qt}x{kt}") for qt, kt in blocked.TILE_CHOICES})
+        runs["blocked@bmm"] = (blocked_step, "bmm")
     else:
         runs["blocked"] = (blocked_step, None)
-    saved = blocked.TILES
-    for kernel, (step, tiles) in runs.items():
+    saved = blocked.TILES, blocked.FORM[0]
+    for kernel, (step, form) in runs.items():
         calls, tiled = blocked.CALLS[0], blocked.TILED[0]
-        blocked.TILES = tiles or saved
+        if form:
+            blocked.use(form)
         times = []
         try:
             for i in range(repeats + 1):
@@ -109,23 +111,21 @@ def timing(shapes: tuple[int, int, int], tokens: int, dtype: torch.dtype, where:
                 if i:
                     times.append(time.perf_counter() - start)
         finally:
-            blocked.TILES = saved
+            blocked.TILES, blocked.FORM[0] = saved
             blocked.CALLS[0], blocked.TILED[0] = calls, tiled  # timings are not training
         table[kernel] = statistics.median(times)
     candidates = {name: t for name, t in table.items() if name.startswith("blocked@")}
     if candidates:
         best = min(candidates, key=candidates.get)
-        table["blocked"], table["tiles"] = candidates[best], best.split("@")[1]
+        table["blocked"], table["form"] = candidates[best], best.split("@")[1]
     return Measurement(value=table, what=what, where=where)
 
 
-def measured_tiles(value: dict) -> tuple[int, int] | None:
-    """The tile size the door timed fastest ("64x128" -> (64, 128)); None where the tiled form was not timed."""
-    text = value.get("tiles") if isinstance(value, dict) else None
-    if not isinstance(text, str) or "x" not in text:
-        return None
-    queries, keys = text.split("x")
-    return int(queries), int(keys)
+def measured_form(value: dict) -> str | None:
+    """The form the door timed fastest ("64x128": tiles of 64 queries x 128 keys, or "bmm"); None where only one
+    form could run."""
+    form = value.get("form") if isinstance(value, dict) else None
+    return form if isinstance(form, str) and (form == "bmm" or form.count("x") == 1) else None
 
 
 
