@@ -140,7 +140,7 @@ def _blocked_attention_backward(shape: ModelShape, st: TrainingSetup, c: int) ->
     the end) and the keys and values packed three ways. Both: fp32 key/value gradient accumulators."""
     if st.attention != "blocked":
         return 0.0
-    if blocked_attention_tiled(shape.head_dim, c):
+    if blocked_attention_tiled(shape.head_dim, c) and st.attention_form != "bmm":
         return 2 * 4 * shape.attention_width * st.tokens + 3 * c * shape.kv_width * st.tokens + \
             2 * 4 * shape.kv_width * st.tokens
     rows = 4 * c * shape.num_heads * min(BLOCKED_QUERIES, st.seq_len) * st.seq_len

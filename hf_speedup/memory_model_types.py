@@ -80,6 +80,7 @@ class TrainingSetup:
     chunked_loss: bool = False
     chunk_tokens: int = 1024
     attention: str = "sdpa"
+    attention_form: str | None = None  # blocked's form as the door chose it ("bmm", a tile size); None: its default
     experts: str = "eager"  # config._experts_implementation of a mixture of experts: eager | grouped_mm | batched_mm
     padded: bool = False  # batches carry a padding mask (no packing)
     use_cache: bool = False  # a KV cache is built in training forwards

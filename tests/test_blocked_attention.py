@@ -78,31 +78,61 @@ def tiles(kernel, monkeypatch):
     monkeypatch.setattr(blocked, "TILES", (16, 32))  # several query and key tiles, partial ones, at 75 tokens
 
 
-def test_the_tiled_form_matches_fp64_attention_and_ran(tiles, monkeypatch):
-    q, k, v = _inputs(torch.bfloat16, heads=6, kv_heads=2)
-    # row 0: documents of 5 (inside a tile), 41 (across key tiles) and 29 tokens; row 1: one sequence
-    position_ids = torch.stack([torch.cat([torch.arange(5), torch.arange(41), torch.arange(29)]), torch.arange(75)])
-    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    want = _reference(q, k, v, position_ids, grad)
-    results = {}
-    for form in ("auto", "bmm"):
-        monkeypatch.setattr(blocked, "FORM", [form])
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        before = blocked.TILED[0]
-        out = blocked.run(*leaves, position_ids, 16 ** -0.5)
-        out.backward(grad)
-        results[form] = [out, *(t.grad for t in leaves)]
-        assert blocked.TILED[0] - before == (1 if form == "auto" else 0)
-        assert out.stride() == q.stride() and leaves[1].grad.shape == k.shape
-    for name, tiled, bmm, ref in zip(("output", "dq", "dk", "dv"), results["auto"], results["bmm"], want):
-        assert _rel(tiled, ref) <= 1e-2, (name, _rel(tiled, ref))
-        assert _rel(tiled, ref) <= 1.5 * _rel(bmm, ref) + 1e-3, (name, _rel(tiled, ref), _rel(bmm, ref))
-    monkeypatch.setattr(blocked, "FORM", ["auto"])
-    k2 = k.clone()
-    k2[0, :, :5] += 1.0  # document 0's keys: documents 1 and 2 do not see them
-    out2 = blocked.run(q, k2, v, position_ids, 16 ** -0.5)
-    assert torch.equal(out2[0, :, 5:], results["auto"][0].detach()[0, :, 5:])
-    assert not torch.equal(out2[0, :, :5], results["auto"][0].detach()[0, :, :5])
+@pytest.mark.parametrize("heads,kv_heads,dim,tokens,threads", [
+    (6, 2, 16, 75, None),  # several query and key tiles, partial ones, three documents across their edges
+    (4, 4, 64, 75, 8),  # no grouping, a head wider than the transposes' 32 blocks, the query tiles split in parts
+    (3, 1, 64, 12, None),  # a row shorter than one tile
+])
+def test_the_tiled_form_matches_fp64_attention_and_ran(tiles, monkeypatch, heads, kv_heads, dim, tokens, threads):
+    if threads:
+        saved_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)  # more threads than key/value heads: the backward splits each head's tiles
+    try:
+        q, k, v = _inputs(torch.bfloat16, heads=heads, kv_heads=kv_heads, dim=dim, tokens=tokens)
+        first = [5, 41, tokens - 46] if tokens > 46 else [5, tokens - 5]
+        position_ids = torch.stack([torch.cat([torch.arange(n) for n in first]), torch.arange(tokens)])
+        grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        want = _reference(q, k, v, position_ids, grad)
+        results = {}
+        for form in ("auto", "bmm"):
+            monkeypatch.setattr(blocked, "FORM", [form])
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            before = blocked.TILED[0]
+            out = blocked.run(*leaves, position_ids, dim ** -0.5)
+            out.backward(grad)
+            results[form] = [out, *(t.grad for t in leaves)]
+            assert blocked.TILED[0] - before == (1 if form == "auto" else 0)
+            assert out.stride() == q.stride() and leaves[1].grad.shape == k.shape
+        for name, tiled, bmm, ref in zip(("output", "dq", "dk", "dv"), results["auto"], results["bmm"], want):
+            assert _rel(tiled, ref) <= 1e-2, (name, _rel(tiled, ref))
+            assert _rel(tiled, ref) <= 1.5 * _rel(bmm, ref) + 1e-3, (name, _rel(tiled, ref), _rel(bmm, ref))
+        monkeypatch.setattr(blocked, "FORM", ["auto"])
+        k2 = k.clone()
+        k2[0, :, :5] += 1.0  # document 0's keys: the later documents do not see them
+        out2 = blocked.run(q, k2, v, position_ids, dim ** -0.5)
+        assert torch.equal(out2[0, :, 5:], results["auto"][0].detach()[0, :, 5:])
+        assert not torch.equal(out2[0, :, :5], results["auto"][0].detach()[0, :, :5])
+    finally:
+        if threads:
+            torch.set_num_threads(saved_threads)
+
+
+def test_the_tiled_form_inside_a_fullgraph_compile(tiles):
+    q, k, v = _inputs(torch.bfloat16, tokens=40)
+    position_ids = torch.cat([torch.arange(12), torch.arange(28)])[None]
+
+    def f(q, k, v):
+        return blocked.run(q, k, v, position_ids, 0.25).float().square().sum()
+
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    f(*eager).backward()
+    compiled = [t.clone().requires_grad_() for t in (q, k, v)]
+    torch._dynamo.reset()
+    before = blocked.TILED[0]
+    torch.compile(f, backend="aot_eager", fullgraph=True)(*compiled).backward()  # a graph break would raise
+    assert blocked.TILED[0] > before
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a.grad, b.grad)
 
 
 def test_the_tiled_form_under_opcheck(tiles):
@@ -112,12 +142,13 @@ def test_the_tiled_form_under_opcheck(tiles):
     assert set(result.values()) == {"SUCCESS"}, result
 
 
-def test_the_door_times_each_form_and_keeps_the_fastest(tiles):
+def test_the_door_times_each_form_and_keeps_the_fastest(tiles, monkeypatch):
+    monkeypatch.setattr(blocked, "FORM", ["bmm"])  # an earlier run's choice: the door still times every form
     found = door.timing((4, 2, 16), 64, torch.bfloat16, "a test machine", [20, 44], repeats=1).value
     candidates = {k: v for k, v in found.items() if k.startswith("blocked@")}
     assert set(candidates) == {*(f"blocked@{q}x{k}" for q, k in blocked.TILE_CHOICES), "blocked@bmm"}
     assert found["blocked"] == min(candidates.values()) and candidates[f"blocked@{found['form']}"] == found["blocked"]
-    assert blocked.TILES == (16, 32) and blocked.FORM == ["auto"]  # timing leaves the run's form alone
+    assert blocked.TILES == (16, 32) and blocked.FORM == ["bmm"]  # timing leaves the run's form alone
     assert door.measured_form(found) == found["form"]
     assert door.measured_form({"form": "fast"}) is None and door.measured_form({}) is None
 
@@ -295,3 +326,18 @@ def test_the_memory_estimate_counts_the_kernels_working_set(kernel, tmp_path):
     measured = _measured_step(tmp_path, model, speedup, seq=seq, vocab=vocab)
     assert model.config._attn_implementation == "blocked"
     assert abs(est.peak_tensor_bytes - measured) / measured <= 0.12, (est.peak_tensor_bytes, measured, est.breakdown)
+
+
+def test_the_memory_model_follows_the_form_the_door_chose(tiny_model, monkeypatch):
+    from hf_speedup import memory_model
+    from hf_speedup.memory_model_types import TrainingSetup
+    from hf_speedup.model_info import describe_model
+
+    shape = describe_model(tiny_model).shape
+    setup = TrainingSetup(micro_batch=1, seq_len=4096, compute_bytes=2, attention="blocked")
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        tiled = memory_model._blocked_attention_backward(shape, setup, 2)
+        bmm = memory_model._blocked_attention_backward(shape, setup.replace(attention_form="bmm"), 2)
+        assert (bmm > tiled) if amx else (bmm == tiled)  # scores of a 128-query block against every key vs tiles
+        assert memory_model._blocked_attention_backward(shape, setup.replace(attention_form="64x128"), 2) == tiled

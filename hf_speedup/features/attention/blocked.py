@@ -95,10 +95,15 @@ def use(form: str | None) -> None:
     TILES = tuple(int(n) for n in form.split("x")) if form else DEFAULT_TILES
 
 
-def tiled(query: torch.Tensor) -> bool:
-    """Whether this call runs the tiled form: bf16, matrix units oneDNN drives, a head size of whole vectors."""
-    return query.dtype == torch.bfloat16 and query.shape[-1] % 16 == 0 and FORM[0] != "bmm" and \
+def can_tile(query: torch.Tensor) -> bool:
+    """Whether the tiled form can run this call: bf16, matrix units oneDNN drives, a head size of whole vectors."""
+    return query.dtype == torch.bfloat16 and query.shape[-1] % 16 == 0 and \
         bool(torch.ops.hf_speedup_cpu.tiles_available())
+
+
+def tiled(query: torch.Tensor) -> bool:
+    """Whether this call runs the tiled form: it can, and the run's form is not the bmm one."""
+    return FORM[0] != "bmm" and can_tile(query)
 
 
 def sequence_starts(position_ids: torch.Tensor, batch: int) -> torch.Tensor:

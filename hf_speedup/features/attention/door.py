@@ -93,7 +93,7 @@ def timing(shapes: tuple[int, int, int], tokens: int, dtype: torch.dtype, where:
     runs = {"sdpa_varlen": (_varlen_step, None)}
     if not ok:
         table["blocked"] = why
-    elif blocked.tiled(q):  # each tile size of the tiled form and the bmm form: the fastest is the kernel's figure
+    elif blocked.can_tile(q):  # each tile size of the tiled form and the bmm form: the fastest is the kernel's figure
         runs.update({f"blocked@{qt}x{kt}": (blocked_step, f"{qt}x{kt}") for qt, kt in blocked.TILE_CHOICES})
         runs["blocked@bmm"] = (blocked_step, "bmm")
     else:
@@ -101,10 +101,10 @@ def timing(shapes: tuple[int, int, int], tokens: int, dtype: torch.dtype, where:
     saved = blocked.TILES, blocked.FORM[0]
     for kernel, (step, form) in runs.items():
         calls, tiled = blocked.CALLS[0], blocked.TILED[0]
-        if form:
-            blocked.use(form)
         times = []
         try:
+            if form:
+                blocked.use(form)
             for i in range(repeats + 1):
                 start = time.perf_counter()
                 step(q, k, v, grad, positions, dim ** -0.5)

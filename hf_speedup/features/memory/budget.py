@@ -100,6 +100,7 @@ def training_setup(decisions: Mapping[str, Decision], shape: ModelShape, caps, *
         compiled=compiled, lora=lora, checkpointed=blocks, optimizer=kind, chunked_loss=chunked,
         chunk_tokens=chunk_tokens,
         attention=getattr(attn, "implementation", None) or shape.attention, experts=kernel or "eager",
+        attention_form=getattr(attn, "form", None),
         padded=padded and not getattr(data, "padding_free", False),
         use_cache=shape.use_cache and not blocks, device=caps.device_type, **fsdp)
 

@@ -185,6 +185,8 @@ void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const 
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "blocked attention: fp32 or bf16");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "blocked attention: query heads a multiple of key/value heads");
   TORCH_CHECK(q.size(3) == v.size(3) && q.size(3) == k.size(3), "blocked attention: one head size");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "blocked attention: keys and values of the queries' batch and length");
   TORCH_CHECK(starts.scalar_type() == at::kLong && starts.dim() == 2 && starts.size(1) == q.size(2),
               "blocked attention: starts is (rows, tokens) int64");
   TORCH_CHECK(starts.size(0) == 1 || starts.size(0) == q.size(0), "blocked attention: starts has 1 or batch rows");
@@ -312,6 +314,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiles_backward(
     const at::Tensor& lse, const at::Tensor& starts, double scale, int64_t queries, int64_t keys) {
   check_tiles(q, k, v, starts, queries, keys);
   TORCH_CHECK(grad.scalar_type() == q.scalar_type(), "blocked attention: gradient in the query's dtype");
+  TORCH_CHECK(grad.sizes() == q.sizes() && out.sizes() == q.sizes(), "blocked attention: gradient and output like q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == q.size(0) &&
+              lse.size(1) == q.size(1) && lse.size(2) == q.size(2), "blocked attention: lse is (batch, heads, T) fp32");
   return hf_speedup_tiles::backward(grad, q, k, v, out, lse, starts, scale, queries, keys);
 }
 

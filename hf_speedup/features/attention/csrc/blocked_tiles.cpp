@@ -59,7 +59,7 @@ inline void gemm(int64_t M, int64_t N, int64_t K, int64_t ld_a, int64_t ld_b, in
 // error 5e-6, far below bf16's 4e-3). ATen's exp_u20 costs ~1.5x as much, and the exp of each score is what bounds
 // this kernel next to its GEMMs (RESULTS.md).
 inline fVec exp2_fast(fVec yv) {
-  const __m512 y = _mm512_max_ps(yv, _mm512_set1_ps(-126.f));
+  const __m512 y = _mm512_max_ps(_mm512_set1_ps(-126.f), yv);  // a NaN score stays NaN (MAXPS returns operand 2)
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
   __m512 p = _mm512_set1_ps(1.3534167e-2f);
