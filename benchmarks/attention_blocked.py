@@ -66,9 +66,9 @@ def main() -> None:
                 # what the door times: torch's kernel, and blocked in each form (the fastest counts)
                 found = door.timing((heads, kv, dim), tokens, torch.bfloat16, "here", docs, ns.repeats).value
                 flash, mine = found["sdpa_varlen"], found["blocked"]
-                blocked.FORM[0] = "bmm"
+                blocked.use("bmm")
                 bmm = timed(lambda: door.blocked_step(q, k, v, grad, positions, dim ** -0.5), ns.repeats)
-                blocked.FORM[0] = "auto"
+                blocked.use(None)
                 peaks.append(matmul_peak(2))
                 peak = statistics.median(peaks)
                 print(f"| {shape_name} {heads}/{kv}x{dim} | {tokens:,} | {row} ({len(docs)}) | {flash * 1e3:.1f} | "

@@ -1,7 +1,7 @@
 """What bounds the ``blocked`` kernel's tiled form on this CPU, one core: the oneDNN micro-kernel GEMM
 (``cpublas::brgemm``, bf16 in, fp32 out, B packed VNNI) at the tile shapes the kernel calls, and the exponential
 of each score (ATen's ``exp_u20`` and the kernel's ``exp2_fast``) over one tile, against a 2048^3 bf16 GEMM on the
-same core.
+same core. The C++ includes ``csrc/blocked_tiles.cpp``: what is timed is the kernel's own code.
 
     python benchmarks/attention_tile_bounds.py
 
@@ -19,41 +19,27 @@ import time
 import torch
 from torch.utils import cpp_extension
 
+from hf_speedup.features.attention import blocked
+
 SOURCE = r"""
-#include <ATen/ATen.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/native/CPUBlas.h>
+#include "blocked_tiles.cpp"  // the kernel's own micro-kernel call and exponential, measured as it runs them
 #include <torch/library.h>
-#include <immintrin.h>
 #include <chrono>
 
-using bf16 = at::BFloat16;
-using fVec = at::vec::Vectorized<float>;
+using hf_speedup_tiles::bf16;
+using hf_speedup_tiles::fVec;
 
 static double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-static inline __m512 exp2_fast(__m512 y) {  // as csrc/blocked_tiles.cpp
-  y = _mm512_max_ps(y, _mm512_set1_ps(-126.f));
-  __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.3534167e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.2011464e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144275e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9300383e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // (brgemm GFLOP/s, exp_u20 ns per score, exp2_fast ns per score) for an M x N x K tile
 std::vector<double> tile(int64_t M, int64_t N, int64_t K, int64_t reps) {
   std::vector<bf16> A(M * K, bf16(0.01f)), B(K * N, bf16(0.02f)), P(M * N);
   std::vector<float> C(M * N, -1.f);
-  for (int i = 0; i < 10; ++i) at::native::cpublas::brgemm(M, N, K, K, N, N, false, A.data(), B.data(), C.data(), true);
+  for (int i = 0; i < 10; ++i) hf_speedup_tiles::gemm(M, N, K, K, N, N, false, A.data(), B.data(), C.data());
   double t = now();
-  for (int i = 0; i < reps; ++i)
-    at::native::cpublas::brgemm(M, N, K, K, N, N, false, A.data(), B.data(), C.data(), true);
+  for (int i = 0; i < reps; ++i) hf_speedup_tiles::gemm(M, N, K, K, N, N, false, A.data(), B.data(), C.data());
   const double gemm = 2.0 * M * N * K * reps / (now() - t) / 1e9;
   at::native::cpublas::brgemm_release(true);
   std::vector<float> S(M * N, -1.f);
@@ -78,14 +64,14 @@ std::vector<double> tile(int64_t M, int64_t N, int64_t K, int64_t reps) {
   for (int i = 0; i < reps; ++i) {
     for (int64_t r = 0; r < M; ++r) {
       float* s = S.data() + r * N;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < N; c += 16) {
-        __m512 e = exp2_fast(_mm512_fmsub_ps(_mm512_loadu_ps(s + c), _mm512_set1_ps(0.18f), _mm512_set1_ps(0.7f)));
-        _mm512_storeu_ps(s + c, e);
-        acc = _mm512_add_ps(acc, e);
+      fVec acc(0.f);
+      for (int64_t c = 0; c < N; c += fVec::size()) {
+        fVec e = hf_speedup_tiles::exp2_fast(at::vec::fmsub(fVec::loadu(s + c), fVec(0.18f), fVec(0.7f)));
+        e.store(s + c);
+        acc = acc + e;
       }
       at::vec::convert(s, P.data() + r * N, N);
-      sink += _mm512_reduce_add_ps(acc);
+      sink += acc.reduce_add();
       std::fill(s, s + N, -1.f);
     }
   }
@@ -93,7 +79,7 @@ std::vector<double> tile(int64_t M, int64_t N, int64_t K, int64_t reps) {
   return {gemm, u20, fast, sink == 42.f ? 1.0 : 0.0};
 }
 
-bool amx() { return at::native::cpublas::could_pack(at::kBFloat16); }
+bool amx() { return hf_speedup_tiles::available(); }
 
 TORCH_LIBRARY(hf_speedup_tile_bounds, m) {
   m.def("tile(int M, int N, int K, int reps) -> float[]", &tile);
@@ -117,7 +103,8 @@ def main() -> None:
         raise SystemExit("needs AVX-512 (the kernel's tiled form runs only there)")
     flags = ["-O3", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
     cpp_extension.load_inline(name="hf_speedup_tile_bounds", cpp_sources=[SOURCE], extra_cflags=flags,
-                              build_directory=tempfile.mkdtemp(), is_python_module=False)
+                              extra_include_paths=[str(blocked.SOURCE.parent)], build_directory=tempfile.mkdtemp(),
+                              is_python_module=False)
     if not torch.ops.hf_speedup_tile_bounds.amx():
         raise SystemExit("no matrix units oneDNN drives here (AMX): the tiled form does not run")
     torch.set_num_threads(1)

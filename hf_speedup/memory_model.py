@@ -123,7 +123,8 @@ def _saved_attention(shape: ModelShape, st: TrainingSetup, c: int) -> float:
 
 
 def blocked_attention_tiled(head_dim: int, c: int) -> bool:
-    """Whether the ``blocked`` kernel runs its tiled form (bf16 on AMX, whole vectors per head), as it decides."""
+    """Whether the ``blocked`` kernel can run its tiled form: bf16 on AMX, whole vectors per head (the rule
+    ``blocked.can_tile`` applies to a call, read here without building the kernel)."""
     import torch
 
     try:
@@ -136,8 +137,8 @@ def blocked_attention_tiled(head_dim: int, c: int) -> bool:
 def _blocked_attention_backward(shape: ModelShape, st: TrainingSetup, c: int) -> float:
     """The ``blocked`` CPU kernel's backward working set. The bmm form: one block of queries' scores, their
     gradient, the probabilities and their gradient against every key of a row (4 tensors of heads x
-    BLOCKED_QUERIES x row length). The tiled form: fp32 key/value gradients per query head (summed over a group at
-    the end) and the keys and values packed three ways. Both: fp32 key/value gradient accumulators."""
+    BLOCKED_QUERIES x row length). The tiled form: fp32 key/value gradients per part of a key/value head's query
+    tiles (at most one part per query head; summed at the end) and the keys and values packed three ways. Both: fp32 key/value gradient accumulators."""
     if st.attention != "blocked":
         return 0.0
     if blocked_attention_tiled(shape.head_dim, c) and st.attention_form != "bmm":

@@ -75,7 +75,7 @@ def test_matches_fp64_attention_with_grouped_keys_and_documents(kernel, dtype, t
 def tiles(kernel, monkeypatch):
     if not torch.ops.hf_speedup_cpu.tiles_available():
         pytest.skip("the tiled form needs matrix units oneDNN drives (AMX); the bmm form is tested on every CPU")
-    monkeypatch.setattr(blocked, "TILES", (16, 32))  # several query and key tiles, partial ones, at 75 tokens
+    monkeypatch.setattr(blocked, "FORM", ["16x32"])  # several query and key tiles, partial ones, at 75 tokens
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,tokens,threads", [
@@ -94,24 +94,24 @@ def test_the_tiled_form_matches_fp64_attention_and_ran(tiles, monkeypatch, heads
         grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         want = _reference(q, k, v, position_ids, grad)
         results = {}
-        for form in ("auto", "bmm"):
+        for form in ("16x32", "bmm"):
             monkeypatch.setattr(blocked, "FORM", [form])
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             before = blocked.TILED[0]
             out = blocked.run(*leaves, position_ids, dim ** -0.5)
             out.backward(grad)
             results[form] = [out, *(t.grad for t in leaves)]
-            assert blocked.TILED[0] - before == (1 if form == "auto" else 0)
+            assert blocked.TILED[0] - before == (1 if form != "bmm" else 0)
             assert out.stride() == q.stride() and leaves[1].grad.shape == k.shape
-        for name, tiled, bmm, ref in zip(("output", "dq", "dk", "dv"), results["auto"], results["bmm"], want):
+        for name, tiled, bmm, ref in zip(("output", "dq", "dk", "dv"), results["16x32"], results["bmm"], want):
             assert _rel(tiled, ref) <= 1e-2, (name, _rel(tiled, ref))
             assert _rel(tiled, ref) <= 1.5 * _rel(bmm, ref) + 1e-3, (name, _rel(tiled, ref), _rel(bmm, ref))
-        monkeypatch.setattr(blocked, "FORM", ["auto"])
+        monkeypatch.setattr(blocked, "FORM", ["16x32"])
         k2 = k.clone()
         k2[0, :, :5] += 1.0  # document 0's keys: the later documents do not see them
         out2 = blocked.run(q, k2, v, position_ids, dim ** -0.5)
-        assert torch.equal(out2[0, :, 5:], results["auto"][0].detach()[0, :, 5:])
-        assert not torch.equal(out2[0, :, :5], results["auto"][0].detach()[0, :, :5])
+        assert torch.equal(out2[0, :, 5:], results["16x32"][0].detach()[0, :, 5:])
+        assert not torch.equal(out2[0, :, :5], results["16x32"][0].detach()[0, :, :5])
     finally:
         if threads:
             torch.set_num_threads(saved_threads)
@@ -146,9 +146,9 @@ def test_the_door_times_each_form_and_keeps_the_fastest(tiles, monkeypatch):
     monkeypatch.setattr(blocked, "FORM", ["bmm"])  # an earlier run's choice: the door still times every form
     found = door.timing((4, 2, 16), 64, torch.bfloat16, "a test machine", [20, 44], repeats=1).value
     candidates = {k: v for k, v in found.items() if k.startswith("blocked@")}
-    assert set(candidates) == {*(f"blocked@{q}x{k}" for q, k in blocked.TILE_CHOICES), "blocked@bmm"}
+    assert set(candidates) == {f"blocked@{form}" for form in (*blocked.TILE_CHOICES, "bmm")}
     assert found["blocked"] == min(candidates.values()) and candidates[f"blocked@{found['form']}"] == found["blocked"]
-    assert blocked.TILES == (16, 32) and blocked.FORM == ["bmm"]  # timing leaves the run's form alone
+    assert blocked.FORM == ["bmm"]  # timing leaves the run's form alone
     assert door.measured_form(found) == found["form"]
     assert door.measured_form({"form": "fast"}) is None and door.measured_form({}) is None
 
@@ -164,13 +164,12 @@ def test_the_plan_carries_the_measured_tile_size_to_the_kernel(tiny_model, make_
     decision = plan_for(get_preset("auto"), caps=caps, model=tiny_model, args=make_args())["attention"]
     assert decision.applied == "blocked" and decision.settings.form == "128x128"
     assert "form: 128x128" in decision.reason and "measured blocked 3.00x torch's CPU flash kernel" in decision.reason
-    monkeypatch.setattr(blocked, "TILES", blocked.DEFAULT_TILES)
-    monkeypatch.setattr(blocked, "FORM", ["auto"])
+    monkeypatch.setattr(blocked, "FORM", [blocked.DEFAULT_FORM])
     monkeypatch.setattr(blocked, "load", lambda: (True, "a test build"))
     monkeypatch.setattr(blocked, "register", lambda: blocked.NAME)
     monkeypatch.setattr(type(tiny_model), "set_attn_implementation", lambda self, name: None)
     attention.apply(decision, SimpleNamespace(model=tiny_model, data_collator=None), Outcome())
-    assert blocked.TILES == (128, 128) and blocked.FORM == ["auto"]
+    assert blocked.FORM == ["128x128"] and blocked.tiles() == (128, 128)
     bmm = decision.replace(settings=dataclasses.replace(decision.settings, form="bmm"))
     attention.apply(bmm, SimpleNamespace(model=tiny_model, data_collator=None), Outcome())
     assert blocked.FORM == ["bmm"]  # the door timed ATen's bmm form fastest: the tiled form is held
@@ -178,7 +177,7 @@ def test_the_plan_carries_the_measured_tile_size_to_the_kernel(tiny_model, make_
                           model=tiny_model, args=make_args())["attention"]
     assert unmeasured.settings.form is None
     attention.apply(unmeasured, SimpleNamespace(model=tiny_model, data_collator=None), Outcome())
-    assert blocked.TILES == blocked.DEFAULT_TILES and blocked.FORM == ["auto"]
+    assert blocked.FORM == [blocked.DEFAULT_FORM]
 
 
 def test_one_opaque_op_under_a_fullgraph_compile(kernel):

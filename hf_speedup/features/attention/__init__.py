@@ -319,7 +319,7 @@ def verify(decision: Decision, trainer, outcome: Outcome) -> tuple[bool, str]:
         tiled = blocked.TILED[0] - outcome.facts.get("tiled_before", 0)
         text += (f"; hf_speedup::blocked_attention registered ({outcome.facts.get('build', 'loaded')}); "
                  f"{calls} kernel call(s)" + (f", {tiled} of them tiled" if calls else "") +
-                 (f" ({blocked.TILES[0]} queries x {blocked.TILES[1]} keys)" if tiled else ""))
+                 (" ({} queries x {} keys)".format(*blocked.tiles()) if tiled else ""))
         if steps_trained(trainer, outcome) > 0 and calls == 0:  # every call went to sdpa's fallback path
             return False, text + " in training: it never ran (each call fell back to sdpa)"
         return True, text

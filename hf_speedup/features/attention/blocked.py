@@ -17,7 +17,7 @@ Whether it beats torch's kernel depends on the machine and shapes: ``auto`` time
 (:mod:`.door`) and takes it only where it measured faster.
 
 On CPUs whose matrix units oneDNN drives (AMX), bf16 runs a tiled form instead (``csrc/blocked_tiles.cpp``): a
-tile of ``TILES`` queries x keys at a time, flash-style, so the scores stay in cache from the score GEMM through the
+tile of queries x keys at a time, flash-style, so the scores stay in cache from the score GEMM through the
 softmax to the next GEMM, each GEMM one oneDNN micro-kernel call on operands packed once. Same op, same exactness
 tests. Which form and tile size pays depends on the shapes (RESULTS.md): the door times each (:func:`use` sets
 what it found fastest).
@@ -35,14 +35,13 @@ from ...memory_model import BLOCKED_QUERIES
 NAME = "blocked"
 BLOCK = BLOCKED_QUERIES  # GEMMs of 128 x heads-per-group rows, the diagonal block's waste <= 128 / length; the
 # memory model sizes the kernel's working set by it
-TILE_CHOICES = ((64, 64), (64, 128), (128, 128))  # (queries, keys) of a tile of the tiled form; the door times each
-DEFAULT_TILES = (64, 128)  # where the door did not measure (HF_SPEEDUP_MEASURE=0, an explicit kernel)
-TILES = DEFAULT_TILES  # the one calls use: attention's apply sets the door's fastest
+TILE_CHOICES = ("64x64", "64x128", "128x128")  # queries x keys of a tile of the tiled form; the door times each
+DEFAULT_FORM = "64x128"  # where the door did not measure (HF_SPEEDUP_MEASURE=0, an explicit kernel)
 SOURCE = Path(__file__).with_name("csrc") / "blocked_attention.cpp"
 SOURCES = (SOURCE, SOURCE.with_name("blocked_tiles.cpp"))
 logger = logging.getLogger("hf_speedup")
 _STATE: dict[str, object] = {}
-FORM = ["auto"]  # "bmm" holds the ATen-bmm form where the tiled one would run (the door's choice, A/B runs)
+FORM = [DEFAULT_FORM]  # the run's form: tiles "QxK", or "bmm" (ATen's bmm where tiles could run); see use()
 CALLS = [0]  # forward calls of the kernel in this process (the verification reads it)
 TILED = [0]  # of which ran the tiled form
 
@@ -86,13 +85,14 @@ def load() -> tuple[bool, str]:
 
 
 def use(form: str | None) -> None:
-    """Set the form calls run: "bmm", a tile size "QxK" (the door's fastest), or None (the defaults)."""
-    if form == "bmm":
-        FORM[0] = "bmm"
-        return
-    global TILES
-    FORM[0] = "auto"
-    TILES = tuple(int(n) for n in form.split("x")) if form else DEFAULT_TILES
+    """Set the form calls run: "bmm", a tile size "QxK" (the door's fastest), or None (the default tiles)."""
+    FORM[0] = form or DEFAULT_FORM
+
+
+def tiles() -> tuple[int, int]:
+    """(queries, keys) of the run's tiles."""
+    queries, keys = (FORM[0] if FORM[0] != "bmm" else DEFAULT_FORM).split("x")
+    return int(queries), int(keys)
 
 
 def can_tile(query: torch.Tensor) -> bool:
@@ -124,7 +124,7 @@ def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     starts = sequence_starts(position_ids, query.shape[0])
     if tiled(query):
         TILED[0] += 1
-        return torch.ops.hf_speedup_cpu.blocked_tiles_forward(query, key, value, starts, scale, *TILES)
+        return torch.ops.hf_speedup_cpu.blocked_tiles_forward(query, key, value, starts, scale, *tiles())
     return torch.ops.hf_speedup_cpu.blocked_attention_forward(query, key, value, starts, scale, block)
 
 
@@ -140,7 +140,7 @@ def blocked_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: tor
     starts = sequence_starts(position_ids, query.shape[0])
     if tiled(query):
         return torch.ops.hf_speedup_cpu.blocked_tiles_backward(grad, query, key, value, out, lse, starts, scale,
-                                                                *TILES)
+                                                                *tiles())
     return torch.ops.hf_speedup_cpu.blocked_attention_backward(grad, query, key, value, out, lse, starts, scale,
                                                                 block)
 

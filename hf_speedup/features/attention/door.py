@@ -94,11 +94,10 @@ def timing(shapes: tuple[int, int, int], tokens: int, dtype: torch.dtype, where:
     if not ok:
         table["blocked"] = why
     elif blocked.can_tile(q):  # each tile size of the tiled form and the bmm form: the fastest is the kernel's figure
-        runs.update({f"blocked@{qt}x{kt}": (blocked_step, f"{qt}x{kt}") for qt, kt in blocked.TILE_CHOICES})
-        runs["blocked@bmm"] = (blocked_step, "bmm")
+        runs.update({f"blocked@{form}": (blocked_step, form) for form in (*blocked.TILE_CHOICES, "bmm")})
     else:
         runs["blocked"] = (blocked_step, None)
-    saved = blocked.TILES, blocked.FORM[0]
+    saved = blocked.FORM[0]
     for kernel, (step, form) in runs.items():
         calls, tiled = blocked.CALLS[0], blocked.TILED[0]
         times = []
@@ -111,7 +110,7 @@ def timing(shapes: tuple[int, int, int], tokens: int, dtype: torch.dtype, where:
                 if i:
                     times.append(time.perf_counter() - start)
         finally:
-            blocked.TILES, blocked.FORM[0] = saved
+            blocked.FORM[0] = saved
             blocked.CALLS[0], blocked.TILED[0] = calls, tiled  # timings are not training
         table[kernel] = statistics.median(times)
     candidates = {name: t for name, t in table.items() if name.startswith("blocked@")}
@@ -126,7 +125,6 @@ def measured_form(value: dict) -> str | None:
     form could run."""
     form = value.get("form") if isinstance(value, dict) else None
     return form if isinstance(form, str) and (form == "bmm" or form.count("x") == 1) else None
-
 
 
 def _varlen_step(q, k, v, grad, positions, scale):
